@@ -1,0 +1,73 @@
+"""oomguard: keep PyTorch training alive when the GPU runs out of memory.
+
+Decorate a forward-only training step; on an out-of-memory error the guard frees what the failed attempt
+held and retries the same batch one rung down a ladder of fallbacks, starting with exact micro-batching::
+
+    from oomguard import oom_guard
+
+    @oom_guard(model=model, optimizer=optimizer, log_file="oomguard.jsonl")
+    def train_step(batch):
+        return model(**batch).loss
+
+    for batch in loader:
+        result = train_step(batch)   # one optimizer step per call, however the batch was split
+"""
+
+from oomguard._batch import batch_size, split_batch
+from oomguard._decorator import GuardedStep, oom_guard
+from oomguard._detect import is_fatal_device_error, is_oom
+from oomguard._errors import (
+    BatchSplitError,
+    GuardConfigError,
+    LadderExhausted,
+    LossError,
+    OOMGuardError,
+    RecoveryLimitExceeded,
+    StepRollbackError,
+)
+from oomguard._events import (
+    Event,
+    ExhaustedEvent,
+    FailureSummary,
+    FallbackEvent,
+    JsonlSink,
+    OOMEvent,
+    RecoveredEvent,
+)
+from oomguard._guard import GuardSummary, OOMGuard, StepResult
+from oomguard._memory import MemorySnapshot
+from oomguard._plan import Plan
+from oomguard._rungs import MicroBatch, Rung, RungContext
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchSplitError",
+    "Event",
+    "ExhaustedEvent",
+    "FailureSummary",
+    "FallbackEvent",
+    "GuardConfigError",
+    "GuardSummary",
+    "GuardedStep",
+    "JsonlSink",
+    "LadderExhausted",
+    "LossError",
+    "MemorySnapshot",
+    "MicroBatch",
+    "OOMEvent",
+    "OOMGuard",
+    "OOMGuardError",
+    "Plan",
+    "RecoveredEvent",
+    "RecoveryLimitExceeded",
+    "Rung",
+    "RungContext",
+    "StepResult",
+    "StepRollbackError",
+    "batch_size",
+    "is_fatal_device_error",
+    "is_oom",
+    "oom_guard",
+    "split_batch",
+]

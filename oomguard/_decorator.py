@@ -1,0 +1,160 @@
+"""``@oom_guard``: the decorator users put on a forward-only training step."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Generic, TypeVar, overload
+
+import torch
+
+from oomguard._events import EventSink
+from oomguard._guard import OOMGuard, StepResult
+from oomguard._rungs import Rung
+from oomguard._step import Reduction
+from oomguard._transaction import JournalMode, Scheduler
+
+__all__ = ["GuardedStep", "oom_guard"]
+
+BatchT = TypeVar("BatchT")
+
+
+class GuardedStep(Generic[BatchT]):
+    """A step function wrapped by :func:`oom_guard`: call it with a batch, get a :class:`StepResult`.
+
+    Keeps the wrapped function's name and docstring; ``.guard`` is the :class:`OOMGuard` behind it (its plan,
+    events and ``summary()``), ``.__wrapped__`` the original function.
+    """
+
+    def __init__(self, fn: Callable[[BatchT], Any], guard: OOMGuard) -> None:
+        self.guard = guard
+        self.__wrapped__ = fn
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, batch: BatchT) -> StepResult:
+        return self.guard(batch)
+
+    def __repr__(self) -> str:
+        name = getattr(self.__wrapped__, "__qualname__", repr(self.__wrapped__))
+        return f"<guarded step {name}, plan: {self.guard.plan.describe()}>"
+
+
+@overload
+def oom_guard(
+    fn: Callable[[BatchT], Any],
+    /,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Scheduler | None = ...,
+    log_file: str | Path | None = ...,
+    ladder: Iterable[str | Rung] | None = ...,
+    max_grad_norm: float | None = ...,
+    count_items: Callable[[Any], float] | None = ...,
+    reduction: Reduction = ...,
+    max_attempts: int = ...,
+    max_recovery_seconds: float | None = ...,
+    sinks: Sequence[EventSink] = ...,
+    step_journal: JournalMode = ...,
+) -> GuardedStep[BatchT]: ...
+
+
+@overload
+def oom_guard(
+    fn: None = None,
+    /,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Scheduler | None = ...,
+    log_file: str | Path | None = ...,
+    ladder: Iterable[str | Rung] | None = ...,
+    max_grad_norm: float | None = ...,
+    count_items: Callable[[Any], float] | None = ...,
+    reduction: Reduction = ...,
+    max_attempts: int = ...,
+    max_recovery_seconds: float | None = ...,
+    sinks: Sequence[EventSink] = ...,
+    step_journal: JournalMode = ...,
+) -> Callable[[Callable[[BatchT], Any]], GuardedStep[BatchT]]: ...
+
+
+def oom_guard(
+    fn: Callable[[BatchT], Any] | None = None,
+    /,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Scheduler | None = None,
+    log_file: str | Path | None = None,
+    ladder: Iterable[str | Rung] | None = None,
+    max_grad_norm: float | None = None,
+    count_items: Callable[[Any], float] | None = None,
+    reduction: Reduction = "mean",
+    max_attempts: int = 64,
+    max_recovery_seconds: float | None = 3600.0,
+    sinks: Sequence[EventSink] = (),
+    step_journal: JournalMode = "auto",
+) -> GuardedStep[BatchT] | Callable[[Callable[[BatchT], Any]], GuardedStep[BatchT]]:
+    """Guard a forward-only training step against out-of-memory errors.
+
+    The decorated function takes one batch and returns its loss (a tensor, a mapping with ``"loss"``, or an
+    object with ``.loss`` such as a transformers ``ModelOutput``). The guard runs backward, gradient
+    accumulation, clipping, ``optimizer.step()``, ``scheduler.step()`` and ``zero_grad``: exactly one optimizer
+    step per call. On an out-of-memory error it drops everything the failed attempt held, frees the cache and
+    retries the same batch one rung down the ladder (first: micro-batches with exact gradient accumulation).
+
+    Args:
+        model: the module being trained; the optimizer must hold only its parameters.
+        optimizer: stepped once per call; its step is undoable, so an OOM inside it never half-steps.
+        scheduler: stepped once per call, right after the optimizer.
+        log_file: append every event (oom, fallback, recovered, exhausted) to this file as JSON lines.
+        ladder: rung names or rung objects, in order; default ``["micro_batch"]``.
+        max_grad_norm: clip the gradient norm of the whole batch to this before stepping.
+        count_items: how many items a batch's mean loss averages over, e.g. ``lambda b: b["mask"].sum()``.
+            Micro-batch losses are weighted by their share of items. By default: counted ``labels`` tokens for
+            transformers causal LMs (and ``labels`` of 2+ dims generally), samples otherwise.
+        reduction: ``"mean"`` (default) if the loss averages over items, ``"sum"`` if it sums them (then
+            micro-batch losses are simply added).
+        max_attempts: give up on a batch after this many attempts (``RecoveryLimitExceeded``).
+        max_recovery_seconds: give up on a batch after this long (``None``: no time bound).
+        sinks: callables that receive every event object.
+        step_journal: ``"auto"`` journals optimizer steps that may not fit (the first, and any without
+            headroom) so a failure can be undone; ``"always"`` journals every step; ``"never"`` none.
+
+    Returns:
+        A :class:`GuardedStep`: call it with a batch to get a :class:`StepResult`; ``.guard`` is the
+        :class:`OOMGuard` with its plan, events and ``summary()``.
+
+    Example::
+
+        @oom_guard(model=model, optimizer=optimizer, log_file="oomguard.jsonl")
+        def train_step(batch):
+            return model(**batch).loss
+
+        for batch in loader:
+            result = train_step(batch)
+            print(result.loss, result.micro_batch_size, result.rungs)
+    """
+    settings: dict[str, Any] = {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "log_file": log_file,
+        "ladder": ladder,
+        "max_grad_norm": max_grad_norm,
+        "count_items": count_items,
+        "reduction": reduction,
+        "max_attempts": max_attempts,
+        "max_recovery_seconds": max_recovery_seconds,
+        "sinks": sinks,
+        "step_journal": step_journal,
+    }
+
+    def decorate(step_fn: Callable[[BatchT], Any]) -> GuardedStep[BatchT]:
+        if not callable(step_fn):
+            raise TypeError(f"@oom_guard decorates a step function, got {type(step_fn).__name__}")
+        return GuardedStep(step_fn, OOMGuard(step_fn, **settings))
+
+    return decorate if fn is None else decorate(fn)

@@ -1,0 +1,213 @@
+"""``oomguard demo``: train a small Llama on real text under a memory budget its starting batch does not fit.
+
+On the CPU the budget is a :class:`~oomguard.testing.SimulatedGPU`; with ``--device cuda`` the real GPU is capped
+with ``torch.cuda.set_per_process_memory_fraction``. Either way the guard meets real out-of-memory errors and
+recovers from them; the event log and the closing summary say which fallbacks were needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+
+from oomguard._data import VOCAB_SIZE, stdlib_text, text_batches
+from oomguard._decorator import oom_guard
+from oomguard._guard import StepResult
+from oomguard._memory import current_backend, format_bytes
+from oomguard.testing import SimulatedGPU, parse_bytes
+
+__all__ = ["DemoConfig", "add_arguments", "run"]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Model and job sizes. The CPU defaults need micro-batches of 4 to fit the 64 MiB budget."""
+
+    steps: int = 40
+    batch_size: int = 16
+    seq_len: int = 256
+    hidden_size: int = 128
+    layers: int = 4
+    heads: int = 4
+    gpu_memory: str = "64MiB"
+    lr: float = 1e-3
+    seed: int = 0
+
+
+_CUDA_DEFAULTS = {
+    "batch_size": 64,
+    "seq_len": 1024,
+    "hidden_size": 1024,
+    "layers": 8,
+    "heads": 16,
+    "gpu_memory": "6GiB",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's command-line flags."""
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps to run (default 40)")
+    parser.add_argument("--log-file", default="oomguard-demo.jsonl", help="event log, JSON lines (appended)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu simulates the GPU")
+    parser.add_argument("--gpu-memory", default=None, help="the memory budget, e.g. 64MiB (cpu) or 6GiB (cuda)")
+    parser.add_argument("--batch-size", type=int, default=None, help="samples per optimizer step")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens (bytes) per sample")
+    parser.add_argument("--hidden-size", type=int, default=None, help="the model's width")
+    parser.add_argument("--layers", type=int, default=None, help="the model's depth")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for weights and data")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _config(args: argparse.Namespace) -> DemoConfig:
+    values: dict[str, Any] = dict(_CUDA_DEFAULTS) if args.device == "cuda" else {}
+    for name in ("steps", "batch_size", "seq_len", "hidden_size", "layers", "gpu_memory", "seed"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    config = DemoConfig(**values)
+    if config.steps < 1 or config.batch_size < 1 or config.seq_len < 2:
+        raise SystemExit("oomguard demo: --steps and --batch-size must be at least 1, --seq-len at least 2")
+    return config
+
+
+def build_model(config: DemoConfig) -> torch.nn.Module:
+    """A Llama-architecture causal LM from a config, with random weights (nothing is downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(config.seed)
+    llama = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.hidden_size * 8 // 3 // 8 * 8,
+        num_hidden_layers=config.layers,
+        num_attention_heads=config.heads,
+        num_key_value_heads=config.heads,
+        max_position_embeddings=config.seq_len,
+        tie_word_embeddings=False,
+    )
+    model: torch.nn.Module = LlamaForCausalLM(llama)
+    return model
+
+
+class _Progress:
+    """A one-line progress bar on a terminal; a line every tenth of the run elsewhere."""
+
+    def __init__(self, total: int, stream: TextIO, enabled: bool) -> None:
+        self.total, self.stream, self.enabled = total, stream, enabled
+        self.tty = stream.isatty()
+        self.started = time.perf_counter()
+
+    def update(self, result: StepResult, memory: str) -> None:
+        if not self.enabled:
+            return
+        done = result.step + 1
+        width = 20
+        filled = width * done // self.total
+        rungs = ",".join(result.rungs) or "-"
+        line = (
+            f"step {done:>4}/{self.total} [{'#' * filled}{'.' * (width - filled)}] loss {result.loss:6.3f} | "
+            f"micro-batch {result.micro_batch_size} x{result.micro_batches} | rungs {rungs} | mem {memory} | "
+            f"{time.perf_counter() - self.started:5.1f}s"
+        )
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+            if done == self.total:
+                self.stream.write("\n")
+        elif done == 1 or done == self.total or done % max(1, self.total // 10) == 0:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+class _LineHandler(logging.Handler):
+    """Writes the guard's event lines above the progress bar."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(logging.INFO)
+        self.stream = stream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        prefix = "\r\033[K" if self.stream.isatty() else ""
+        self.stream.write(f"{prefix}[oomguard] {record.getMessage()}\n")
+        self.stream.flush()
+
+
+@contextlib.contextmanager
+def _device_budget(config: DemoConfig, device: str) -> Iterator[SimulatedGPU | None]:
+    if device == "cpu":
+        with SimulatedGPU(config.gpu_memory) as gpu:
+            yield gpu
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("oomguard demo: --device cuda needs a CUDA GPU; use --device cpu to simulate one")
+    cap = parse_bytes(config.gpu_memory)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+    try:
+        yield None
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Run the demo job; returns the exit status."""
+    config = _config(args)
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    handler = _LineHandler(err)
+    guard_logger = logging.getLogger("oomguard")
+    guard_logger.addHandler(handler)
+    guard_logger.setLevel(logging.INFO)
+    try:
+        return _train(config, device, args, out, err)
+    finally:
+        guard_logger.removeHandler(handler)
+
+
+def _train(config: DemoConfig, device: torch.device, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    text = stdlib_text()
+    batches = text_batches(text, config.batch_size, config.seq_len, seed=config.seed)
+    model = build_model(config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
+    n_params = sum(p.numel() for p in model.parameters())
+    out.write(
+        f"oomguard demo: Llama with {n_params / 1e6:.2f}M parameters, batches of {config.batch_size} x "
+        f"{config.seq_len} tokens of the standard library's source, {config.steps} steps, on "
+        f"{'a simulated GPU' if device.type == 'cpu' else 'CUDA'} capped at {config.gpu_memory}.\n"
+        f"Events go to {args.log_file}.\n"
+    )
+    out.flush()
+
+    @oom_guard(model=model, optimizer=optimizer, scheduler=scheduler, log_file=args.log_file, max_grad_norm=1.0)
+    def train_step(batch: dict[str, torch.Tensor]) -> Any:
+        # Forward only: the guard owns backward, accumulation, clipping, the step and zero_grad.
+        return model(**{name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()})
+
+    progress = _Progress(config.steps, err, enabled=not args.quiet)
+    first: float | None = None
+    last = float("nan")
+    with _device_budget(config, device.type) as gpu:
+        if gpu is not None:
+            gpu.adopt(model)  # the weights are already on the (simulated) device, as after model.to("cuda")
+        backend = current_backend(device)
+        for _ in range(config.steps):
+            result = train_step(next(batches))
+            first = result.loss if first is None else first
+            last = result.loss
+            memory = f"{format_bytes(backend.max_memory_allocated())} peak of {format_bytes(backend.total_memory())}"
+            progress.update(result, memory)
+    summary = train_step.guard.summary()
+    out.write(f"\nLoss {first:.3f} -> {last:.3f} over {config.steps} steps.\n{summary}\n")
+    if summary.fallbacks:
+        out.write(
+            "The batch never changed: every step trained on all "
+            f"{config.batch_size} samples, split into micro-batches with exact gradient accumulation.\n"
+        )
+    out.write(f"Event log: {args.log_file} ({len(train_step.guard.events)} events).\n")
+    return 0

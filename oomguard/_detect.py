@@ -1,0 +1,120 @@
+"""Telling an out-of-memory error from every other error.
+
+PyTorch raises ``torch.OutOfMemoryError`` for the CUDA caching allocator, but memory exhaustion also arrives
+in disguise: a plain ``RuntimeError`` from cuBLAS or cuDNN workspaces, from HIP, XPU or MPS, from the CPU
+allocator, or wrapped by a library that re-raises with ``from``. :func:`is_oom` recognises all of these and
+refuses the fatal CUDA errors (an illegal memory access poisons the context: retrying would be wrong).
+"""
+
+from __future__ import annotations
+
+import builtins
+import re
+from typing import Any
+
+import torch
+
+__all__ = ["is_fatal_device_error", "is_oom"]
+
+# Messages that mean "an allocation failed". Matched only on RuntimeError (and MemoryError by type), so a
+# user's KeyError("out of memory") is never mistaken for one.
+_OOM_PATTERNS = re.compile(
+    "|".join(
+        (
+            r"\bout of memory\b",  # CUDA/HIP/XPU caching allocators, "CUDA error: out of memory"
+            r"MPS backend out of memory",
+            r"DefaultCPUAllocator: can't allocate memory",
+            r"DefaultCPUAllocator: not enough memory",  # the Windows spelling
+            r"CUBLAS_STATUS_ALLOC_FAILED",
+            r"CUDNN_STATUS_ALLOC_FAILED",
+            r"CUDNN_BACKEND_API_FAILED.*(?:alloc|memory)",
+            r"CUFFT_ALLOC_FAILED",
+            r"CUSOLVER_STATUS_ALLOC_FAILED",
+            r"CUSPARSE_STATUS_ALLOC_FAILED",
+            r"HIPBLAS_STATUS_ALLOC_FAILED",
+            r"MIOPEN_STATUS_ALLOC_FAILED",
+            r"hipErrorOutOfMemory",
+            r"cudaErrorMemoryAllocation",
+            r"Failed to allocate memory for requested buffer",  # XPU / SYCL
+        )
+    ),
+    re.IGNORECASE,
+)
+
+# Errors that leave the device unusable: never retried, even when an OOM is also in the chain.
+_FATAL_PATTERNS = re.compile(
+    "|".join(
+        (
+            r"illegal memory access",
+            r"device-side assert",
+            r"misaligned address",
+            r"an illegal instruction",
+            r"unspecified launch failure",
+            r"uncorrectable ECC error",
+            r"CUBLAS_STATUS_EXECUTION_FAILED",
+            r"CUDNN_STATUS_EXECUTION_FAILED",
+            r"hipErrorIllegalAddress",
+        )
+    ),
+    re.IGNORECASE,
+)
+
+_GROUP: Any = getattr(builtins, "BaseExceptionGroup", None)  # Python 3.11+
+_MAX_CHAIN = 32  # exception chains are short; a bound protects against pathological self-references
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """The exception, its causes and contexts, and the members of exception groups, each once."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo and len(seen) < _MAX_CHAIN:
+        current = todo.pop()
+        if any(current is s for s in seen):
+            continue
+        seen.append(current)
+        if _GROUP is not None and isinstance(current, _GROUP):
+            todo.extend(current.exceptions)
+        for linked in (current.__cause__, current.__context__):
+            if linked is not None:
+                todo.append(linked)
+    return seen
+
+
+def _message_matches(exc: BaseException, pattern: re.Pattern[str]) -> bool:
+    return isinstance(exc, RuntimeError) and pattern.search(str(exc)) is not None
+
+
+def is_fatal_device_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or anything in its chain) is a device error that makes retrying unsafe.
+
+    >>> is_fatal_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    True
+    """
+    return any(_message_matches(e, _FATAL_PATTERNS) for e in _chain(exc))
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is an out-of-memory error the guard may recover from.
+
+    True for ``torch.OutOfMemoryError`` (CUDA, and any backend that raises it), for ``MemoryError``, and for
+    ``RuntimeError`` messages of the HIP, XPU, MPS and CPU allocators and of cuBLAS, cuDNN, cuFFT, cuSOLVER
+    and cuSPARSE allocation failures, found on ``exc`` itself or anywhere in its ``__cause__`` /
+    ``__context__`` chain. False for ``KeyboardInterrupt`` and other non-``Exception`` errors, and for any
+    chain that contains a fatal device error (illegal memory access, device-side assert...): those leave the
+    device unusable and must propagate.
+
+    >>> is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    True
+    >>> is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    True
+    >>> is_oom(ValueError("out of memory"))  # only runtime errors are read by message
+    False
+    """
+    if not isinstance(exc, Exception):
+        return False
+    chain = _chain(exc)
+    if any(_message_matches(e, _FATAL_PATTERNS) for e in chain):
+        return False
+    return any(
+        isinstance(e, (torch.OutOfMemoryError, MemoryError)) or _message_matches(e, _OOM_PATTERNS) for e in chain
+    )

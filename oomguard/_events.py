@@ -1,0 +1,165 @@
+"""Events: what the guard did, as data.
+
+Each event is a frozen dataclass with ``to_dict()``; sinks are plain callables that take an event. The guard
+writes every event as one JSON line to ``log_file`` (if given), calls the user's sinks, and logs one readable
+line on the ``oomguard`` logger. Nothing is written on the happy path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from oomguard._memory import MemorySnapshot, format_bytes
+
+__all__ = [
+    "Event",
+    "EventSink",
+    "ExhaustedEvent",
+    "FailureSummary",
+    "FallbackEvent",
+    "JsonlSink",
+    "OOMEvent",
+    "RecoveredEvent",
+]
+
+logger = logging.getLogger("oomguard")
+
+_REQUESTED = re.compile(r"(?:Tried to allocate|you tried to allocate)\s+([0-9.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)")
+_UNIT_BYTES = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+@dataclass(frozen=True)
+class FailureSummary:
+    """What the guard keeps of an out-of-memory error once the exception and its frames are dropped."""
+
+    error_type: str
+    message: str
+    phase: str  # forward, backward, clip, optimizer or scheduler
+    micro_batch: int  # index of the micro-batch that failed (0 outside forward/backward)
+    requested_bytes: int | None
+    memory: MemorySnapshot
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, phase: str, micro_batch: int, memory: MemorySnapshot) -> FailureSummary:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        match = _REQUESTED.search(str(exc))
+        requested = int(float(match.group(1)) * _UNIT_BYTES[match.group(2)]) if match else None
+        return cls(type(exc).__name__, message[:500], phase, micro_batch, requested, memory)
+
+    def describe(self) -> str:
+        where = (
+            f"{self.phase} of micro-batch {self.micro_batch + 1}"
+            if self.phase in ("forward", "backward")
+            else self.phase
+        )
+        asked = f", tried to allocate {format_bytes(self.requested_bytes)}" if self.requested_bytes else ""
+        return f"OOM in {where}{asked}"
+
+
+@dataclass(frozen=True)
+class Event:
+    """Fields every event has. ``plan`` is the plan the event is about, as a dict."""
+
+    kind: ClassVar[str] = "event"
+    step: int
+    plan: dict[str, Any]
+    memory: MemorySnapshot
+    time: float = field(default_factory=time.time, kw_only=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {"event": self.kind}
+        data.update(asdict(self))
+        return data
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class OOMEvent(Event):
+    """An attempt ran out of memory; the guard freed what it held."""
+
+    kind: ClassVar[str] = "oom"
+    attempt: int
+    rung: str | None  # the last rung engaged in the failing plan, if any
+    error: FailureSummary
+    memory_after_recovery: MemorySnapshot
+
+    def describe(self) -> str:
+        return (
+            f"step {self.step}: {self.error.describe()} on attempt {self.attempt} "
+            f"({self.error.memory.describe()}); freed back to {format_bytes(self.memory_after_recovery.allocated)}"
+        )
+
+
+@dataclass(frozen=True)
+class FallbackEvent(Event):
+    """The guard moved one rung down: ``plan`` is the new plan, ``previous_plan`` the one that failed."""
+
+    kind: ClassVar[str] = "fallback"
+    rung: str
+    previous_plan: dict[str, Any]
+    description: str
+
+    def describe(self) -> str:
+        return f"step {self.step}: falling back to {self.rung}: {self.description}"
+
+
+@dataclass(frozen=True)
+class RecoveredEvent(Event):
+    """The batch finished on ``plan`` after ``ooms`` out-of-memory errors."""
+
+    kind: ClassVar[str] = "recovered"
+    rungs: tuple[str, ...]
+    ooms: int
+    seconds_lost: float
+    description: str
+
+    def describe(self) -> str:
+        return (
+            f"step {self.step}: recovered after {self.ooms} OOM(s) on {self.description} "
+            f"({self.seconds_lost:.2f} s spent on failed attempts)"
+        )
+
+
+@dataclass(frozen=True)
+class ExhaustedEvent(Event):
+    """The guard gave up on the batch (``reason`` is ``"ladder"``, ``"attempts"`` or ``"time"``)."""
+
+    kind: ClassVar[str] = "exhausted"
+    reason: str
+    ooms: int
+    tried: tuple[dict[str, Any], ...]
+
+    def describe(self) -> str:
+        return f"step {self.step}: giving up on this batch ({self.reason}) after {self.ooms} OOM(s)"
+
+
+EventSink = Callable[[Event], None]
+
+
+class JsonlSink:
+    """Appends each event to ``path`` as one JSON object per line (opened per event: events are rare)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if self.path.parent and not self.path.parent.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, event: Event) -> None:
+        line = json.dumps(event.to_dict(), default=str, sort_keys=False)
+        with self.path.open("a", encoding="utf-8") as log:
+            log.write(line + "\n")
+
+
+def log_event(event: Event) -> None:
+    """One readable line on the ``oomguard`` logger."""
+    level = {"oom": logging.WARNING, "fallback": logging.WARNING, "exhausted": logging.ERROR}
+    logger.log(level.get(event.kind, logging.INFO), "%s", event.describe())

@@ -1,0 +1,227 @@
+"""Memory backends: where the guard reads memory figures, frees the cache and makes host copies.
+
+One backend per kind of device. :func:`current_backend` picks the one for a model: an active
+:class:`oomguard.testing.SimulatedGPU` first (so the guard sees the simulated device exactly as it would see a
+real one), else CUDA for a model on a GPU, else the host allocator.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "CpuMemory",
+    "CudaMemory",
+    "MemoryBackend",
+    "MemorySnapshot",
+    "current_backend",
+    "format_bytes",
+    "pop_backend",
+    "push_backend",
+]
+
+
+def format_bytes(n: int | float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``; ``None`` -> ``"unknown"``."""
+    if n is None:
+        return "unknown"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """Device memory figures at one moment, in bytes (``capacity`` is ``None`` where unknown)."""
+
+    backend: str
+    allocated: int
+    reserved: int
+    peak: int
+    capacity: int | None
+
+    @property
+    def free(self) -> int | None:
+        """Capacity not held by tensors, or ``None`` where the capacity is unknown."""
+        return None if self.capacity is None else max(0, self.capacity - self.allocated)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """E.g. ``"60.1 MiB of 64.0 MiB in use (peak 63.9 MiB)"``."""
+        return (
+            f"{format_bytes(self.allocated)} of {format_bytes(self.capacity)} in use "
+            f"(peak {format_bytes(self.peak)}, reserved {format_bytes(self.reserved)})"
+        )
+
+
+@runtime_checkable
+class MemoryBackend(Protocol):
+    """What the guard needs from a device's allocator."""
+
+    name: str
+    #: Whether ``memory_allocated`` and ``max_memory_allocated`` are real figures (False on plain CPU).
+    tracks_allocations: bool
+
+    def total_memory(self) -> int | None: ...
+    def memory_allocated(self) -> int: ...
+    def max_memory_allocated(self) -> int: ...
+    def memory_reserved(self) -> int: ...
+    def empty_cache(self) -> None: ...
+
+    def reserve(self, nbytes: int) -> bool:
+        """True only if ``nbytes`` of transient allocations can be made now without running out of memory."""
+        ...
+
+    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A host copy of a device tensor that does not count as device memory (``out`` is reused if given)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for copies started by ``to_host`` to finish."""
+        ...
+
+
+def snapshot(backend: MemoryBackend) -> MemorySnapshot:
+    """The backend's figures now."""
+    return MemorySnapshot(
+        backend=backend.name,
+        allocated=backend.memory_allocated(),
+        reserved=backend.memory_reserved(),
+        peak=backend.max_memory_allocated(),
+        capacity=backend.total_memory(),
+    )
+
+
+def _available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class CpuMemory:
+    """The host allocator, for models trained on the CPU without a simulator.
+
+    PyTorch keeps no allocation statistics for the CPU, so the figures are zero and ``tracks_allocations`` is
+    False; ``reserve`` compares with the memory the kernel reports as available.
+    """
+
+    name = "cpu"
+    tracks_allocations = False
+
+    def total_memory(self) -> int | None:
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+
+    def memory_allocated(self) -> int:
+        return 0
+
+    def max_memory_allocated(self) -> int:
+        return 0
+
+    def memory_reserved(self) -> int:
+        return 0
+
+    def empty_cache(self) -> None:
+        gc.collect()
+
+    def reserve(self, nbytes: int) -> bool:
+        available = _available_host_memory()
+        return available is not None and available >= nbytes
+
+    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype:
+            return tensor.detach().clone()
+        return out.copy_(tensor.detach())
+
+    def synchronize(self) -> None:
+        return None
+
+
+class CudaMemory:
+    """A CUDA device, read through ``torch.cuda``."""
+
+    tracks_allocations = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.name = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+
+    def total_memory(self) -> int | None:
+        _, total = torch.cuda.mem_get_info(self.device)
+        return int(total)
+
+    def memory_allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def max_memory_allocated(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def memory_reserved(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+    def empty_cache(self) -> None:
+        gc.collect()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    def reserve(self, nbytes: int) -> bool:
+        # Free device memory plus what the caching allocator holds unused. Fragmentation can still make a
+        # large request fail; the optimizer transaction guards that case by checking tensor versions.
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = self.memory_reserved() - self.memory_allocated()
+        return int(free) + cached >= nbytes
+
+    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype:
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        return out.copy_(tensor.detach(), non_blocking=True)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+_OVERRIDES: list[MemoryBackend] = []  # active simulators, innermost last
+_CPU = CpuMemory()
+_CUDA: dict[torch.device, CudaMemory] = {}
+
+
+def push_backend(backend: MemoryBackend) -> None:
+    """Make ``backend`` the one every guard uses until :func:`pop_backend` (used by SimulatedGPU)."""
+    _OVERRIDES.append(backend)
+
+
+def pop_backend(backend: MemoryBackend) -> None:
+    """Undo :func:`push_backend`."""
+    if not _OVERRIDES or _OVERRIDES[-1] is not backend:
+        raise RuntimeError("memory backends must be left in the reverse order they were entered")
+    _OVERRIDES.pop()
+
+
+def current_backend(device: torch.device) -> MemoryBackend:
+    """The backend for tensors on ``device``: an active simulator, CUDA, or the host."""
+    if _OVERRIDES:
+        return _OVERRIDES[-1]
+    if device.type == "cuda":
+        backend = _CUDA.get(device)
+        if backend is None:
+            backend = _CUDA[device] = CudaMemory(device)
+        return backend
+    return _CPU

@@ -1,0 +1,157 @@
+"""Running one batch on one plan: forward and backward per micro-batch, then clip, step and schedule.
+
+This is the only place that runs the user's step function and touches gradients. It records which phase it is
+in, so that the guard can say where an out-of-memory error struck after the exception itself is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from oomguard._batch import count_items, split_batch
+from oomguard._errors import LossError
+from oomguard._memory import MemoryBackend
+from oomguard._plan import Plan
+from oomguard._transaction import OptimizerTransaction, Scheduler
+
+__all__ = ["AttemptOutput", "StepRunner", "loss_of"]
+
+Reduction = Literal["mean", "sum"]
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The scalar loss in a step function's return value: a tensor, ``{"loss": ...}`` or an object with ``.loss``.
+
+    Raises :class:`~oomguard.LossError` with the fix when there is none, when it is not a single number, or
+    when it does not require grad (nothing to train).
+    """
+    if isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, Mapping) and "loss" in output:
+        loss = output["loss"]
+    elif hasattr(output, "loss"):
+        loss = output.loss
+    else:
+        raise LossError(
+            f"the step function returned a {type(output).__name__} with no loss; return the loss tensor, a "
+            f"mapping with a 'loss' key, or an object with a .loss attribute (a transformers ModelOutput)"
+        )
+    if loss is None:
+        raise LossError(
+            "the step function returned no loss (loss is None); a transformers model computes one only when "
+            "the batch has 'labels'"
+        )
+    if not isinstance(loss, torch.Tensor):
+        raise LossError(f"the loss must be a torch.Tensor, got {type(loss).__name__}: {loss!r}")
+    if loss.numel() != 1:
+        raise LossError(
+            f"the loss must be a single number, got a tensor of shape {tuple(loss.shape)}; reduce it first, "
+            f"for example with .mean()"
+        )
+    if not loss.requires_grad:
+        raise LossError(
+            "the loss does not require grad, so there is nothing to train: is the forward running under "
+            "torch.no_grad() or torch.inference_mode(), or are all parameters frozen?"
+        )
+    return loss
+
+
+@dataclass(frozen=True)
+class AttemptOutput:
+    """What a successful attempt produced."""
+
+    loss: float
+    grad_norm: float | None
+    micro_batches: int
+    micro_batch_size: int
+
+
+class StepRunner:
+    """Runs one training step for a batch on a plan. ``phase`` and ``micro_batch`` say where it is."""
+
+    def __init__(
+        self,
+        step_fn: Callable[[Any], Any],
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Scheduler | None,
+        transaction: OptimizerTransaction,
+        max_grad_norm: float | None,
+        item_counter: Callable[[Any], float],
+        reduction: Reduction,
+    ) -> None:
+        self.step_fn = step_fn
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.transaction = transaction
+        self.max_grad_norm = max_grad_norm
+        self.item_counter = item_counter
+        self.reduction = reduction
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.phase = "forward"
+        self.micro_batch = 0
+
+    def zero_grad(self) -> None:
+        """Drop every gradient (set to None, so their memory is freed)."""
+        self.model.zero_grad(set_to_none=True)
+
+    def _parts(self, batch: Any, size: int, plan: Plan) -> tuple[list[Any], list[float]]:
+        """The micro-batches and the weight of each one's loss in the batch's loss."""
+        micro = plan.effective_micro_batch_size(size)
+        if micro >= size:
+            return [batch], [1.0]
+        parts = split_batch(batch, micro)
+        if self.reduction == "sum":
+            return parts, [1.0] * len(parts)
+        counts = count_items(parts, self.item_counter)
+        total = sum(counts)
+        if total == 0:  # nothing counted anywhere: weigh by samples, as the unsplit mean would
+            counts = [float(len_) for len_ in _part_sizes(size, micro)]
+            total = float(size)
+        return parts, [count / total for count in counts]
+
+    def run(self, batch: Any, size: int, plan: Plan, backend: MemoryBackend) -> AttemptOutput:
+        """Forward/backward each micro-batch, then clip, step and schedule: exactly one optimizer step.
+
+        On any exception the gradients are dropped and the optimizer step (if reached) is undone.
+        """
+        self.phase, self.micro_batch = "forward", 0
+        self.zero_grad()
+        done = False
+        try:
+            parts, weights = self._parts(batch, size, plan)
+            total: torch.Tensor | None = None
+            for index, (part, weight) in enumerate(zip(parts, weights, strict=True)):
+                if weight == 0.0:  # no counted item: it contributes exactly nothing (and its mean is NaN)
+                    continue
+                self.phase, self.micro_batch = "forward", index
+                loss = loss_of(self.step_fn(part))
+                self.phase = "backward"
+                (loss if weight == 1.0 else loss * weight).backward()  # type: ignore[no-untyped-call]
+                contribution = loss.detach() if weight == 1.0 else loss.detach() * weight
+                total = contribution if total is None else total + contribution
+                del loss  # drop the graph's last reference before the next micro-batch's forward
+            grad_norm = None
+            if self.max_grad_norm is not None:
+                self.phase = "clip"
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
+            self.phase = "optimizer"
+            self.transaction.step(backend, self.scheduler)
+            self.phase = "done"
+            loss_value = float(total) if total is not None else float("nan")
+            self.zero_grad()
+            done = True
+            return AttemptOutput(loss_value, grad_norm, len(parts), plan.effective_micro_batch_size(size))
+        finally:
+            if not done:
+                self.zero_grad()
+
+
+def _part_sizes(size: int, micro: int) -> list[int]:
+    return [min(micro, size - start) for start in range(0, size, micro)]

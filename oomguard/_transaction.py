@@ -1,0 +1,151 @@
+"""An optimizer step that either happens completely or not at all.
+
+Adam's first step is not atomic: it creates ``exp_avg``, ``exp_avg_sq`` and ``step`` lazily, group by group,
+and updates parameters in place between allocations, so an out-of-memory error part-way leaves some parameters
+stepped and some state half-built. Later steps allocate temporaries (the foreach path takes a square root of
+every second moment at once) after they have already changed the moments in place.
+
+The transaction has two paths:
+
+* **Journaled** (the first step, a step that will create state, and any step that cannot be shown to fit):
+  the state *structure* is copied (a shallow copy of each state dict, so entries and keys the step adds can
+  be removed), and the values of every tensor the step may change (parameters with a gradient and their state)
+  are copied to host memory through the memory backend. On failure the structure and values are put back.
+* **Fast** (steady state): the previous step's transient memory is known (an upper bound measured from the
+  backend's peak), the state structure is complete, and the backend confirms that much memory is free now. No
+  copy is made; tensor version counters are read instead. If the step fails anyway and nothing was changed,
+  the failure propagates as any OOM; if tensors were changed, :class:`~oomguard.StepRollbackError` says so
+  rather than leave a silently half-stepped model.
+
+Host copies are kept between journaled steps (pinned buffers are expensive to make on CUDA) and released once
+the fast path takes over.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol
+
+import torch
+
+from oomguard._errors import StepRollbackError
+from oomguard._memory import MemoryBackend
+
+__all__ = ["JournalMode", "OptimizerTransaction"]
+
+JournalMode = Literal["auto", "always", "never"]
+
+
+class Scheduler(Protocol):
+    """What the transaction needs of a learning-rate scheduler."""
+
+    def step(self) -> Any: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+# Without allocator statistics (plain CPU), assume a step may need this many times its parameters' size.
+_UNTRACKED_BOUND_FACTOR = 3
+
+
+class OptimizerTransaction:
+    """Runs ``optimizer.step()`` (and an optional follow-up such as the scheduler step) atomically."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, journal: JournalMode = "auto") -> None:
+        self.optimizer = optimizer
+        self.journal: JournalMode = journal
+        self._bound: int | None = None  # upper bound of the transient memory of the last step, in bytes
+        self._host: dict[int, torch.Tensor] = {}  # id(device tensor) -> reusable host copy
+        #: How many steps took the journaled path (for tests and diagnostics).
+        self.journaled_steps = 0
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+    def _mutable_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Parameters with a gradient and the tensors in their state: what a step may change in place."""
+        seen: dict[int, torch.Tensor] = {}
+        for p in params:
+            seen.setdefault(id(p), p)
+            for value in self.optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor):
+                    seen.setdefault(id(value), value)
+        return list(seen.values())
+
+    def _may_skip_journal(self, backend: MemoryBackend, params: list[torch.Tensor]) -> bool:
+        if self.journal != "auto":
+            return self.journal == "never"
+        if self._bound is None:
+            return False
+        state = self.optimizer.state
+        if any(p not in state for p in params):  # this step would create state: journal it
+            return False
+        return backend.reserve(self._bound)
+
+    def step(self, backend: MemoryBackend, scheduler: Scheduler | None = None) -> None:
+        """Run ``optimizer.step()`` then ``scheduler.step()``; if either raises, undo both and re-raise."""
+        params = self._params()
+        before = backend.memory_allocated()
+        if self._may_skip_journal(backend, params):
+            self._host.clear()
+            self._fast_step(params, scheduler)
+        else:
+            self._journaled_step(backend, params, scheduler)
+        self._measure(backend, before, params)
+
+    def _fast_step(self, params: list[torch.Tensor], scheduler: Scheduler | None) -> None:
+        tensors = self._mutable_tensors(params)
+        versions = [t._version for t in tensors]
+        try:
+            self.optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+        except BaseException as exc:
+            changed = sum(t._version != v for t, v in zip(tensors, versions, strict=True))
+            if changed:
+                raise StepRollbackError(
+                    f"the optimizer step failed with {type(exc).__name__} after changing {changed} of "
+                    f"{len(tensors)} parameter/state tensors, on a step the guard judged safe to run without "
+                    f"a journal, so it cannot be undone and the batch cannot be retried. Restore from a "
+                    f"checkpoint; pass step_journal='always' to oom_guard to make every step undoable."
+                ) from exc
+            raise
+
+    def _journaled_step(self, backend: MemoryBackend, params: list[torch.Tensor], scheduler: Scheduler | None) -> None:
+        self.journaled_steps += 1
+        optimizer = self.optimizer
+        # Structure: which params have state and which keys each state holds (shallow: tensors are shared).
+        entries = {p: dict(optimizer.state[p]) for p in params if p in optimizer.state}
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        scheduler_state = scheduler.state_dict() if scheduler is not None else None
+        # Values: host copies of every tensor the step may change in place.
+        tensors = self._mutable_tensors(params)
+        copies = [backend.to_host(t, self._host.get(id(t))) for t in tensors]
+        self._host = {id(t): c for t, c in zip(tensors, copies, strict=True)}
+        done = False
+        try:
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            done = True
+        finally:
+            if not done:
+                for t, c in zip(tensors, copies, strict=True):
+                    with torch.no_grad():
+                        t.copy_(c, non_blocking=True)
+                for p in params:
+                    if p in entries:
+                        optimizer.state[p] = entries[p]
+                    else:
+                        optimizer.state.pop(p, None)
+                for group, saved in zip(optimizer.param_groups, groups, strict=True):
+                    group.update(saved)
+                if scheduler is not None and scheduler_state is not None:
+                    scheduler.load_state_dict(scheduler_state)
+                backend.synchronize()
+
+    def _measure(self, backend: MemoryBackend, before: int, params: list[torch.Tensor]) -> None:
+        if backend.tracks_allocations:
+            # The peak since the step began is at least before + transient: an upper bound, never too small.
+            self._bound = max(0, backend.max_memory_allocated() - before)
+        else:
+            self._bound = _UNTRACKED_BOUND_FACTOR * sum(p.numel() * p.element_size() for p in params)

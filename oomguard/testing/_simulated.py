@@ -1,0 +1,397 @@
+"""SimulatedGPU: a device-memory budget with real accounting of every live CPU tensor.
+
+A ``TorchDispatchMode`` sees every aten op and its outputs. Each output whose storage is new (neither one of
+the op's inputs' storages nor one already tracked) is a device allocation: it counts against the capacity,
+rounded up to 512 bytes as CUDA's caching allocator does, until a ``weakref.finalize`` on the storage object
+reports it freed. Views, ``detach`` and ``split`` share their input's storage and cost nothing.
+
+Decisions worth knowing:
+
+* ``torch.tensor(data)`` builds its data outside the dispatcher and arrives through ``aten.lift_fresh``: it is
+  counted, as ``torch.tensor(data, device="cuda")`` would allocate on a GPU.
+* Tensors created before entering, or by ``torch.from_numpy``, are host memory until ``adopt``-ed.
+* An op that both mutates its inputs and allocates (batch-norm running statistics; any write-annotated op
+  with fresh outputs) is sized on meta tensors *before* it runs, so an OOM leaves its inputs untouched, as a
+  real device fails before the kernel. All other ops are accounted after running; failing them then is
+  equivalent, since they changed nothing but their (discarded) outputs.
+* ``resize_`` is checked before it runs; ``set_`` and ``out=`` variants that grow a tracked storage are
+  accounted for the growth.
+* Allocations inside a kernel's own implementation (scratch space a C++ kernel takes without dispatching)
+  are not seen; they are transient.
+* Only CPU tensors are tracked: on CUDA, backward runs in other threads that a mode would not see.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.autograd.graph import increment_version
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from oomguard._memory import MemorySnapshot, format_bytes, pop_backend, push_backend, snapshot
+
+__all__ = ["SimulatedGPU", "parse_bytes"]
+
+_ALIGN = 512  # CUDA's caching allocator rounds every block up to 512 bytes
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
+_aten = torch.ops.aten
+_FRESH = {_aten.lift_fresh.default}
+# Ops that update running statistics in place without saying so in their schema.
+_UNANNOTATED_MUTATION = {
+    _aten.native_batch_norm.default,
+    _aten.cudnn_batch_norm.default,
+    _aten.miopen_batch_norm.default,
+}
+
+
+def parse_bytes(value: int | str) -> int:
+    """``"6GiB"`` -> ``6442450944``; ``"512 MB"`` -> ``512000000``; ints pass through.
+
+    >>> parse_bytes("1.5KiB")
+    1536
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"a memory size must be an int (bytes) or a string like '6GiB', got {value!r}")
+    if isinstance(value, int):
+        nbytes = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"cannot read {value!r} as a memory size: write a number and a unit, e.g. '6GiB', '512MiB', "
+                f"'800MB' or a plain number of bytes"
+            )
+        nbytes = int(float(match.group(1)) * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"a memory budget must be positive, got {value!r}")
+    return nbytes
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _storages(tree: Any) -> list[torch.UntypedStorage]:
+    found = []
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and leaf.layout == torch.strided:
+            found.append(leaf.untyped_storage())
+    return found
+
+
+def _writes_and_allocates(func: torch._ops.OpOverload) -> bool:
+    if func in _UNANNOTATED_MUTATION:
+        return True
+    schema = func._schema
+    writes = any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments)
+    return writes and any(ret.alias_info is None for ret in schema.returns)
+
+
+def _written(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors an in-place op writes to, from its schema's write annotations."""
+    schema = func._schema
+    if not schema.is_mutable:
+        return []
+    found: list[torch.Tensor] = []
+    for index, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(arg.name)
+        for leaf in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+    return found
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return value
+
+
+class _AccountingMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
+    def __init__(self, gpu: SimulatedGPU) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.gpu = gpu
+
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        gpu = self.gpu
+        if gpu._paused.active:
+            return func(*args, **kwargs)
+        if func is _aten.resize_.default:
+            gpu._check_resize(args[0], args[1])
+        elif _writes_and_allocates(func):
+            gpu._precheck(func, args, kwargs)
+        written = _written(func, args, kwargs)
+        versions = [t._version for t in written]
+        out = func(*args, **kwargs)
+        # Under a dispatch mode some in-place kernels (the foreach ones) skip the version bump a real device
+        # does; restore it, since the guard (and autograd) read version counters.
+        stale = [t for t, v in zip(written, versions, strict=True) if t._version == v]
+        if stale:
+            increment_version(stale)
+        gpu._account(func, args, kwargs, out)
+        return out
+
+
+class _Paused(threading.local):
+    active = False
+
+
+class SimulatedGPU:
+    """A simulated GPU of ``capacity`` bytes for training on the CPU under a device-memory budget.
+
+    Inside the context every CPU tensor storage created counts as device memory until it is freed; going past
+    the capacity raises a real ``torch.OutOfMemoryError`` whose message looks like CUDA's and says it is
+    simulated. While active, :mod:`oomguard` reads memory figures, empties the cache and makes host copies
+    through it, as it does through ``torch.cuda`` on a GPU.
+
+    Args:
+        capacity: bytes, or a string such as ``"6GiB"`` or ``"64MiB"``.
+
+    >>> import torch
+    >>> from oomguard.testing import SimulatedGPU
+    >>> with SimulatedGPU("1MiB") as gpu:
+    ...     x = torch.zeros(1024)              # 4 KiB
+    ...     gpu.memory_allocated()
+    4096
+    >>> with SimulatedGPU("1MiB"):
+    ...     torch.zeros(10**6)                 # 4 MB: too much
+    Traceback (most recent call last):
+    ...
+    torch.OutOfMemoryError: CUDA out of memory (simulated by oomguard.testing.SimulatedGPU). ...
+    """
+
+    tracks_allocations = True
+
+    def __init__(self, capacity: int | str, *, name: str = "simulated") -> None:
+        #: The budget in bytes.
+        self.capacity = parse_bytes(capacity)
+        self.name = name
+        #: Device allocations made so far (each new storage counts once; failed ones do not).
+        self.allocations = 0
+        self._allocated = 0
+        self._peak = 0
+        self._tracked: dict[int, int] = {}  # id(storage) -> counted bytes
+        self._lock = threading.Lock()
+        self._fail_in: int | None = None  # allocations left before an injected failure
+        self._paused = _Paused()
+        self._mode: _AccountingMode | None = None
+        self.empty_cache_calls = 0
+
+    # -- context ----------------------------------------------------------------------------------------
+    def __enter__(self) -> SimulatedGPU:
+        if self._mode is not None:
+            raise RuntimeError("this SimulatedGPU is already active; it cannot be entered twice")
+        self._mode = _AccountingMode(self)
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
+        push_backend(self)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        mode, self._mode = self._mode, None
+        pop_backend(self)
+        if mode is not None:
+            mode.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
+
+    # -- the figures ------------------------------------------------------------------------------------
+    def memory_allocated(self) -> int:
+        """Bytes held by live tensors on the simulated device."""
+        return self._allocated
+
+    def max_memory_allocated(self) -> int:
+        """The highest ``memory_allocated()`` since creation or the last ``reset_peak_memory_stats()``."""
+        return self._peak
+
+    def memory_reserved(self) -> int:
+        """Equal to ``memory_allocated()``: the simulator has no caching allocator."""
+        return self._allocated
+
+    def reset_peak_memory_stats(self) -> None:
+        """Start measuring the peak again from the current usage."""
+        self._peak = self._allocated
+
+    def total_memory(self) -> int:
+        return self.capacity
+
+    def snapshot(self) -> MemorySnapshot:
+        """All figures at once."""
+        return snapshot(self)
+
+    def empty_cache(self) -> None:
+        """Nothing is cached in the simulator; counted so tests can see that the guard asked."""
+        self.empty_cache_calls += 1
+
+    def synchronize(self) -> None:
+        return None
+
+    # -- fault injection and reservations ---------------------------------------------------------------
+    def fail_allocation(self, n: int = 1) -> None:
+        """Make the ``n``-th device allocation from now raise an out-of-memory error, once.
+
+        ``n=1`` fails the very next allocation. Replaces any failure armed before.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"fail_allocation(n) needs n >= 1 (1 = the next allocation), got {n!r}")
+        self._fail_in = n
+
+    @property
+    def fault_pending(self) -> bool:
+        """Whether a failure armed by :meth:`fail_allocation` has not fired yet."""
+        return self._fail_in is not None
+
+    def reserve(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` of transient allocations surely fit now.
+
+        False while an injected failure is armed: an injected fault stands for an allocation nobody could
+        foresee, so the guard must take its fully undoable path.
+        """
+        return self._fail_in is None and self.capacity - self._allocated >= nbytes
+
+    # -- host and device copies -------------------------------------------------------------------------
+    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy outside the accounting: host memory."""
+        self._paused.active = True
+        try:
+            if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype:
+                return tensor.detach().clone()
+            return out.copy_(tensor.detach())
+        finally:
+            self._paused.active = False
+
+    def adopt(self, *objects: torch.nn.Module | torch.Tensor | torch.optim.Optimizer | Iterable[Any]) -> None:
+        """Count already existing tensors as resident on the device, as ``model.to("cuda")`` would.
+
+        Accepts modules (parameters, their gradients and buffers), optimizers (their state tensors), tensors
+        and iterables of these. Storages already counted are skipped. Raises ``torch.OutOfMemoryError`` if they
+        do not fit, leaving nothing adopted.
+        """
+        tensors: list[torch.Tensor] = []
+        for obj in objects:
+            tensors.extend(_tensors_of(obj))
+        fresh: dict[int, torch.UntypedStorage] = {}
+        for tensor in tensors:
+            if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+                continue
+            storage = tensor.untyped_storage()
+            if id(storage) not in self._tracked:
+                fresh[id(storage)] = storage
+        self._allocate(list(fresh.values()), count_faults=False)
+
+    # -- accounting internals ---------------------------------------------------------------------------
+    def _oom(self, nbytes: int) -> torch.OutOfMemoryError:
+        free = self.capacity - self._allocated
+        return torch.OutOfMemoryError(
+            f"CUDA out of memory (simulated by oomguard.testing.SimulatedGPU). Tried to allocate "
+            f"{format_bytes(nbytes)}. Simulated GPU 0 has a total capacity of {format_bytes(self.capacity)} of "
+            f"which {format_bytes(max(0, free))} is free. Of the allocated memory "
+            f"{format_bytes(self._allocated)} is allocated by tensors."
+        )
+
+    def _check(self, sizes: list[int], count_faults: bool = True) -> None:
+        """Raise the OOM the device would raise for these allocations (made in order); track nothing."""
+        total = 0
+        for size in sizes:
+            if count_faults and self._fail_in is not None:
+                self._fail_in -= 1
+                if self._fail_in == 0:
+                    self._fail_in = None
+                    raise self._oom(size)
+            if self._allocated + total + size > self.capacity:
+                raise self._oom(size)
+            total += size
+
+    def _allocate(self, storages: list[torch.UntypedStorage], count_faults: bool = True) -> None:
+        # Empty storages are tracked too (at 0 bytes, not as allocations) so that a later resize_ is seen.
+        sizes = [_aligned(int(s.nbytes())) for s in storages]
+        with self._lock:
+            self._check([size for size in sizes if size], count_faults)  # all or nothing for the op
+            for storage, size in zip(storages, sizes, strict=True):
+                key = id(storage)
+                self._tracked[key] = size
+                weakref.finalize(storage, self._release, key)
+            self._allocated += sum(sizes)
+            self.allocations += sum(1 for size in sizes if size)
+            self._peak = max(self._peak, self._allocated)
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            self._allocated -= self._tracked.pop(key, 0)
+
+    def _grow(self, storage: torch.UntypedStorage, count_faults: bool) -> None:
+        key = id(storage)
+        size = _aligned(int(storage.nbytes()))
+        with self._lock:
+            extra = size - self._tracked[key]
+            if extra > 0:
+                self._check([extra], count_faults)
+                self._tracked[key] = size
+                self._allocated += extra
+                self._peak = max(self._peak, self._allocated)
+
+    def _check_resize(self, tensor: torch.Tensor, size: Any) -> None:
+        if tensor.device.type != "cpu":
+            return
+        numel = 1
+        for dim in size:
+            numel *= int(dim)
+        needed = _aligned((int(tensor.storage_offset()) + numel) * tensor.element_size())
+        current = self._tracked.get(id(tensor.untyped_storage()), 0)
+        if needed > current:
+            with self._lock:
+                self._check([needed - current])
+
+    def _precheck(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
+        try:
+            meta_out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+        except (NotImplementedError, RuntimeError):  # no meta kernel: account after running instead
+            return
+        aliased = {i for i, ret in enumerate(func._schema.returns) if ret.alias_info is not None}
+        outs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
+        sizes = [
+            _aligned(int(t.untyped_storage().nbytes()))
+            for i, t in enumerate(outs)
+            if i not in aliased and isinstance(t, torch.Tensor)
+        ]
+        with self._lock:
+            fail_in = self._fail_in
+            self._check(sizes)  # raises before the op mutates anything
+            self._fail_in = fail_in  # it fits: the accounting after the op counts these allocations again
+
+    def _account(self, func: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> None:
+        inputs = {id(s) for s in _storages((args, kwargs))}
+        fresh: dict[int, torch.UntypedStorage] = {}
+        for storage in _storages(out):
+            key = id(storage)
+            if key in self._tracked:
+                if storage.nbytes() > self._tracked[key]:
+                    self._grow(storage, count_faults=func is not _aten.resize_.default)  # resize_: checked
+            elif key not in inputs or func in _FRESH:
+                fresh[key] = storage
+        if fresh:
+            self._allocate(list(fresh.values()))
+
+
+def _tensors_of(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, torch.nn.Module):
+        found = list(obj.parameters()) + list(obj.buffers())
+        return found + [p.grad for p in obj.parameters() if p.grad is not None]
+    if isinstance(obj, torch.optim.Optimizer):
+        return [v for state in obj.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
+        return [t for item in obj for t in _tensors_of(item)]
+    raise TypeError(f"adopt() takes modules, optimizers, tensors or iterables of them, got {type(obj).__name__}")
