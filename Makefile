@@ -1,0 +1,30 @@
+# Two commands from a fresh clone: `make demo` and `make test`. Each sets up .venv by itself.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.oomguard-installed
+
+.PHONY: demo test lint pytest bench clean
+
+$(STAMP): setup.cfg pyproject.toml scripts/bootstrap.sh
+	PYTHON=$(PYTHON) sh scripts/bootstrap.sh $(VENV)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m oomguard demo
+
+test: lint pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache oomguard.egg-info

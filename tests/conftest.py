@@ -1,0 +1,79 @@
+"""Shared builders: small models, batches and optimizers, all with fixed seeds and random weights."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+VOCAB = 64
+
+
+def make_mlp(seed: int = 0, width: int = 64) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+
+
+def make_llama(seed: int = 0, layers: int = 2, hidden: int = 32) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    model: torch.nn.Module = LlamaForCausalLM(config)
+    return model
+
+
+def tuple_batch(n: int = 8, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 16, generator=generator), torch.randn(n, generator=generator)
+
+
+def mse_step(model: torch.nn.Module):  # type: ignore[no-untyped-def]
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+
+    return step
+
+
+def ragged_lm_batch(lengths: list[int], seq_len: int = 12, seed: int = 2) -> dict[str, torch.Tensor]:
+    """Right-padded causal-LM batch: samples of different lengths, pads masked and labelled -100."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (len(lengths), seq_len), generator=generator)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps a copy of the gradients it was stepped with, to compare accumulation exactly."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(params, lr=lr)
+        self.seen: list[list[torch.Tensor | None]] = []
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def,override]
+        self.seen.append(
+            [None if p.grad is None else p.grad.detach().clone() for g in self.param_groups for p in g["params"]]
+        )
+        return super().step(closure)
+
+
+def clone_model(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model)
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
