@@ -60,24 +60,27 @@ _FATAL_PATTERNS = re.compile(
 )
 
 _GROUP: Any = getattr(builtins, "BaseExceptionGroup", None)  # Python 3.11+
-_MAX_CHAIN = 32  # exception chains are short; a bound protects against pathological self-references
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
-    """The exception, its causes and contexts, and the members of exception groups, each once."""
-    seen: list[BaseException] = []
+    """The exception, its causes and contexts, and the members of exception groups, each once.
+
+    A context hidden with ``raise ... from None`` is not followed: its author chose to replace it.
+    """
+    seen: dict[int, BaseException] = {}
     todo = [exc]
-    while todo and len(seen) < _MAX_CHAIN:
+    while todo:
         current = todo.pop()
-        if any(current is s for s in seen):
+        if id(current) in seen:  # cycles end here
             continue
-        seen.append(current)
+        seen[id(current)] = current
         if _GROUP is not None and isinstance(current, _GROUP):
             todo.extend(current.exceptions)
-        for linked in (current.__cause__, current.__context__):
-            if linked is not None:
-                todo.append(linked)
-    return seen
+        if current.__cause__ is not None:
+            todo.append(current.__cause__)
+        if current.__context__ is not None and not current.__suppress_context__:
+            todo.append(current.__context__)
+    return list(seen.values())
 
 
 def _message_matches(exc: BaseException, pattern: re.Pattern[str]) -> bool:

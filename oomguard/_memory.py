@@ -83,7 +83,23 @@ class MemoryBackend(Protocol):
         ...
 
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A host copy of a device tensor that does not count as device memory (``out`` is reused if given)."""
+        """A host copy of a device tensor that does not count as device memory (``out`` is reused if it fits).
+
+        The copy may still be in flight (pinned, non-blocking on CUDA): call :meth:`synchronize` before reading
+        it on the host. Copying it back to the device is ordered after it without a synchronize.
+        """
+        ...
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A device copy of a host tensor; it counts as device memory."""
+        ...
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory is device memory (what offloading can move to the host)."""
+        ...
+
+    def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """Free (``nbytes=0``) or re-allocate a device tensor's storage in place; views of it stay valid."""
         ...
 
     def synchronize(self) -> None:
@@ -147,9 +163,16 @@ class CpuMemory:
         return available is not None and available >= nbytes
 
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype:
-            return tensor.detach().clone()
-        return out.copy_(tensor.detach())
+        return _copy_into(tensor, out)
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().clone()
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return False  # on a CPU-only run there is no device memory to free by offloading
+
+    def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
+        tensor.untyped_storage().resize_(nbytes)
 
     def synchronize(self) -> None:
         return None
@@ -190,12 +213,33 @@ class CudaMemory:
         return int(free) + cached >= nbytes
 
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype:
+        if not _fits(tensor, out):
             out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        assert out is not None
         return out.copy_(tensor.detach(), non_blocking=True)
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to(self.device, non_blocking=True)
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cuda"
+
+    def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
+        tensor.untyped_storage().resize_(nbytes)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+def _fits(tensor: torch.Tensor, out: torch.Tensor | None) -> bool:
+    return out is not None and out.shape == tensor.shape and out.dtype == tensor.dtype
+
+
+def _copy_into(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out.copy_(tensor)`` when ``out`` has the right shape and dtype, else a fresh clone."""
+    if out is not None and _fits(tensor, out):
+        return out.copy_(tensor.detach())
+    return tensor.detach().clone()
 
 
 _OVERRIDES: list[MemoryBackend] = []  # active simulators, innermost last

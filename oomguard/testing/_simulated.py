@@ -18,6 +18,9 @@ Decisions worth knowing:
   accounted for the growth.
 * Allocations inside a kernel's own implementation (scratch space a C++ kernel takes without dispatching)
   are not seen; they are transient.
+* Host memory is what ``to_host`` returns (offloaded tensors, the guard's journal) and whatever an op computes
+  from host tensors alone (an optimizer step on offloaded parameters); it is never counted. ``to_device``
+  copies a host tensor into the accounting. For ``_foreach_*`` ops this is decided per list element.
 * Only CPU tensors are tracked: on CUDA, backward runs in other threads that a mode would not see.
 """
 
@@ -35,7 +38,7 @@ from torch.autograd.graph import increment_version
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from oomguard._memory import MemorySnapshot, format_bytes, pop_backend, push_backend, snapshot
+from oomguard._memory import MemorySnapshot, _copy_into, format_bytes, pop_backend, push_backend, snapshot
 
 __all__ = ["SimulatedGPU", "parse_bytes"]
 
@@ -50,6 +53,9 @@ _UNANNOTATED_MUTATION = {
     _aten.cudnn_batch_norm.default,
     _aten.miopen_batch_norm.default,
 }
+# Batch-norm ops whose sixth argument is `training`; in eval mode they mutate nothing (and their meta kernels
+# report statistics outputs the CPU kernels do not allocate), so they are not sized in advance then.
+_BATCH_NORM_WITH_STATS = {_aten._native_batch_norm_legit.default}
 
 
 def parse_bytes(value: int | str) -> int:
@@ -88,9 +94,9 @@ def _storages(tree: Any) -> list[torch.UntypedStorage]:
     return found
 
 
-def _writes_and_allocates(func: torch._ops.OpOverload) -> bool:
-    if func in _UNANNOTATED_MUTATION:
-        return True
+def _writes_and_allocates(func: torch._ops.OpOverload, args: Any) -> bool:
+    if func in _UNANNOTATED_MUTATION or func in _BATCH_NORM_WITH_STATS:
+        return len(args) > 5 and bool(args[5])  # running statistics change only in training mode
     schema = func._schema
     writes = any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments)
     return writes and any(ret.alias_info is None for ret in schema.returns)
@@ -130,7 +136,7 @@ class _AccountingMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             return func(*args, **kwargs)
         if func is _aten.resize_.default:
             gpu._check_resize(args[0], args[1])
-        elif _writes_and_allocates(func):
+        elif _writes_and_allocates(func, args):
             gpu._precheck(func, args, kwargs)
         written = _written(func, args, kwargs)
         versions = [t._version for t in written]
@@ -183,6 +189,7 @@ class SimulatedGPU:
         self._allocated = 0
         self._peak = 0
         self._tracked: dict[int, int] = {}  # id(storage) -> counted bytes
+        self._host: set[int] = set()  # id(storage) of host memory: never counted
         self._lock = threading.Lock()
         self._fail_in: int | None = None  # allocations left before an injected failure
         self._paused = _Paused()
@@ -202,9 +209,11 @@ class SimulatedGPU:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         mode, self._mode = self._mode, None
-        pop_backend(self)
-        if mode is not None:
-            mode.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
+        try:
+            if mode is not None:
+                mode.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
+        finally:
+            pop_backend(self)
 
     # -- the figures ------------------------------------------------------------------------------------
     def memory_allocated(self) -> int:
@@ -265,11 +274,48 @@ class SimulatedGPU:
         """A copy outside the accounting: host memory."""
         self._paused.active = True
         try:
-            if out is None or out.shape != tensor.shape or out.dtype != tensor.dtype:
-                return tensor.detach().clone()
-            return out.copy_(tensor.detach())
+            copy = _copy_into(tensor, out)
         finally:
             self._paused.active = False
+        self._mark_host(copy.untyped_storage())
+        return copy
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy that counts as device memory (raises the simulated OOM if it does not fit)."""
+        self._paused.active = True
+        try:
+            copy = tensor.detach().clone()
+        finally:
+            self._paused.active = False
+        self._allocate([copy.untyped_storage()])
+        return copy
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        """Whether the tensor's storage is counted as device memory."""
+        return tensor.device.type == "cpu" and id(tensor.untyped_storage()) in self._tracked
+
+    def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """Resize a storage in place (storage resizes bypass the dispatcher, so the accounting is told here)."""
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._host:
+            storage.resize_(nbytes)
+            return
+        with self._lock:
+            extra = _aligned(nbytes) - self._tracked.get(key, 0)
+            if extra > 0:
+                self._check([extra])  # a real device fails before the storage grows
+        storage.resize_(nbytes)
+        if key in self._tracked:
+            self._resized(storage, count_faults=False)
+        else:
+            self._allocate([storage], count_faults=False)
+
+    def _mark_host(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key not in self._host:
+            self._host.add(key)
+            weakref.finalize(storage, self._host.discard, key)
 
     def adopt(self, *objects: torch.nn.Module | torch.Tensor | torch.optim.Optimizer | Iterable[Any]) -> None:
         """Count already existing tensors as resident on the device, as ``model.to("cuda")`` would.
@@ -330,19 +376,21 @@ class SimulatedGPU:
         with self._lock:
             self._allocated -= self._tracked.pop(key, 0)
 
-    def _grow(self, storage: torch.UntypedStorage, count_faults: bool) -> None:
+    def _resized(self, storage: torch.UntypedStorage, count_faults: bool) -> None:
+        """A tracked storage changed size (``resize_``, ``set_``, ``out=``): account the growth or the release."""
         key = id(storage)
         size = _aligned(int(storage.nbytes()))
         with self._lock:
             extra = size - self._tracked[key]
-            if extra > 0:
+            if extra > 0:  # a growth is one more device allocation
                 self._check([extra], count_faults)
-                self._tracked[key] = size
-                self._allocated += extra
-                self._peak = max(self._peak, self._allocated)
+                self.allocations += 1
+            self._tracked[key] = size
+            self._allocated += extra
+            self._peak = max(self._peak, self._allocated)
 
     def _check_resize(self, tensor: torch.Tensor, size: Any) -> None:
-        if tensor.device.type != "cpu":
+        if tensor.device.type != "cpu" or id(tensor.untyped_storage()) in self._host:
             return
         numel = 1
         for dim in size:
@@ -354,6 +402,8 @@ class SimulatedGPU:
                 self._check([needed - current])
 
     def _precheck(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
+        if self._all_host(_storages((args, kwargs))):
+            return
         try:
             meta_out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
         except (NotImplementedError, RuntimeError):  # no meta kernel: account after running instead
@@ -370,18 +420,45 @@ class SimulatedGPU:
             self._check(sizes)  # raises before the op mutates anything
             self._fail_in = fail_in  # it fits: the accounting after the op counts these allocations again
 
+    def _all_host(self, storages: list[torch.UntypedStorage]) -> bool:
+        """Whether an op on these input storages runs on the host: it has some, and all are host memory."""
+        return bool(storages) and all(id(s) in self._host for s in storages)
+
     def _account(self, func: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> None:
-        inputs = {id(s) for s in _storages((args, kwargs))}
+        inputs = _storages((args, kwargs))
+        input_keys = {id(s) for s in inputs}
+        on_host = self._host_outputs(func, args, out, inputs)
         fresh: dict[int, torch.UntypedStorage] = {}
         for storage in _storages(out):
             key = id(storage)
             if key in self._tracked:
-                if storage.nbytes() > self._tracked[key]:
-                    self._grow(storage, count_faults=func is not _aten.resize_.default)  # resize_: checked
-            elif key not in inputs or func in _FRESH:
+                if _aligned(int(storage.nbytes())) != self._tracked[key]:
+                    self._resized(storage, count_faults=func is not _aten.resize_.default)  # resize_: checked
+            elif key in self._host or (key in input_keys and func not in _FRESH):
+                continue
+            elif key in on_host:
+                self._mark_host(storage)
+            else:
                 fresh[key] = storage
         if fresh:
             self._allocate(list(fresh.values()))
+
+    def _host_outputs(
+        self, func: torch._ops.OpOverload, args: Any, out: Any, inputs: list[torch.UntypedStorage]
+    ) -> set[int]:
+        """The output storages that an op computed on the host (from host inputs only)."""
+        if not self._host:
+            return set()
+        if func.__name__.startswith("_foreach_") and isinstance(out, (list, tuple)):
+            lists = [arg for arg in args if isinstance(arg, (list, tuple)) and len(arg) == len(out)]
+            return {
+                id(result.untyped_storage())
+                for index, result in enumerate(out)
+                if isinstance(result, torch.Tensor) and self._all_host(_storages([arg[index] for arg in lists]))
+            }
+        if self._all_host(inputs):
+            return {id(s) for s in _storages(out)}
+        return set()
 
 
 def _tensors_of(obj: Any) -> list[torch.Tensor]:

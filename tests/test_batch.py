@@ -1,0 +1,381 @@
+"""Splitting batches into micro-batches along dim 0, and weighing each micro-batch in the loss."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oomguard import BatchSplitError, batch_size, split_batch
+from oomguard._batch import count_items, default_item_counter
+
+IGNORE = -100
+
+
+class Pair(NamedTuple):
+    inputs: Any
+    targets: Any
+
+
+class MyDict(dict):  # type: ignore[type-arg]
+    """A user's dict subclass: splitting must keep it."""
+
+
+def shares_storage(part: torch.Tensor, whole: torch.Tensor) -> bool:
+    return part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+
+
+def assert_rejoins(original: Any, parts: list[Any]) -> None:
+    """The parts have the original's structure and types; tensors concatenate back to it exactly; other leaves
+    (and 0-d tensors) are the very same objects in every part."""
+    assert parts, "a batch with samples must give at least one part"
+    for part in parts:
+        assert type(part) is type(original)
+    if isinstance(original, torch.Tensor) and original.dim() > 0:
+        joined = torch.cat(parts)
+        assert joined.dtype == original.dtype
+        assert torch.equal(joined, original)
+        for part in parts:
+            assert shares_storage(part, original)  # a view, not a copy
+    elif isinstance(original, dict):
+        for part in parts:
+            assert list(part) == list(original)
+        for key, value in original.items():
+            assert_rejoins(value, [part[key] for part in parts])
+    elif isinstance(original, (list, tuple)):
+        for part in parts:
+            assert len(part) == len(original)
+        for index, value in enumerate(original):
+            assert_rejoins(value, [part[index] for part in parts])
+    else:
+        for part in parts:
+            assert part is original
+
+
+# -- splitting --------------------------------------------------------------------------------------------
+
+
+def test_single_tensor_splits_into_views_with_an_uneven_last_part() -> None:
+    whole = torch.arange(14.0).reshape(7, 2)
+    parts = split_batch(whole, 3)
+    assert [part.shape[0] for part in parts] == [3, 3, 1]
+    assert torch.equal(parts[2], whole[6:])
+    assert_rejoins(whole, parts)
+
+
+def test_micro_batch_size_at_least_the_batch_gives_one_part() -> None:
+    whole = torch.arange(5)
+    for size in (5, 6, 100):
+        (part,) = split_batch(whole, size)
+        assert torch.equal(part, whole)
+        assert shares_storage(part, whole)
+
+
+def test_micro_batch_size_one_gives_one_part_per_sample() -> None:
+    batch = {"x": torch.arange(4), "y": torch.arange(4) * 10}
+    parts = split_batch(batch, 1)
+    assert [part["y"].tolist() for part in parts] == [[0], [10], [20], [30]]
+
+
+def test_parts_are_views_of_the_input() -> None:
+    x = torch.randn(6, 3)
+    parts = split_batch({"x": x}, 4)
+    for part in parts:
+        assert shares_storage(part["x"], x)
+    parts[1]["x"][0, 0] = 123.0  # writing through a part writes the batch: nothing was copied
+    assert x[4, 0].item() == 123.0
+
+
+def test_non_contiguous_tensor_splits_exactly() -> None:
+    x = torch.arange(24).reshape(4, 6).t()  # 6 samples, strided
+    parts = split_batch(x, 4)
+    assert [part.shape for part in parts] == [(4, 4), (2, 4)]
+    assert_rejoins(x, parts)
+
+
+def test_dict_of_tensors_with_non_tensor_leaves() -> None:
+    scale = torch.tensor(0.5)  # 0-d: shared by every sample, not split
+    batch = {"input_ids": torch.arange(10).reshape(5, 2), "name": "books", "epoch": 3, "mask": None, "scale": scale}
+    parts = split_batch(batch, 2)
+    assert len(parts) == 3
+    for part in parts:
+        assert part["name"] == "books"
+        assert part["epoch"] == 3
+        assert part["mask"] is None
+        assert part["scale"] is scale
+    assert_rejoins(batch, parts)
+
+
+def test_lists_tuples_and_nesting() -> None:
+    batch = {
+        "features": [torch.randn(5, 3), (torch.arange(5), "tag")],
+        "meta": {"ids": torch.arange(5) + 100, "weights": (torch.ones(5, 1), 7)},
+    }
+    parts = split_batch(batch, 2)
+    assert [batch_size(part) for part in parts] == [2, 2, 1]
+    assert type(parts[0]["features"]) is list
+    assert type(parts[0]["features"][1]) is tuple
+    assert parts[2]["meta"]["ids"].tolist() == [104]
+    assert_rejoins(batch, parts)
+
+
+def test_tuple_batch_keeps_its_type() -> None:
+    batch = (torch.randn(5, 16), torch.randn(5))
+    parts = split_batch(batch, 3)
+    assert all(type(part) is tuple for part in parts)
+    assert_rejoins(batch, parts)
+
+
+def test_named_tuple_keeps_its_type_and_fields() -> None:
+    batch = Pair(inputs=torch.randn(5, 2), targets=[torch.arange(5), "label"])
+    parts = split_batch(batch, 2)
+    assert all(isinstance(part, Pair) for part in parts)
+    assert parts[1].targets[0].tolist() == [2, 3]
+    assert parts[1].targets[1] == "label"
+    assert_rejoins(batch, parts)
+
+
+@pytest.mark.parametrize("mapping_type", [MyDict, OrderedDict])
+def test_dict_subclasses_keep_their_type(mapping_type: type) -> None:
+    batch = mapping_type(x=torch.arange(5), y=torch.arange(5) * 2)
+    parts = split_batch(batch, 2)
+    assert all(type(part) is mapping_type for part in parts)
+    assert [part["y"].tolist() for part in parts] == [[0, 2], [4, 6], [8]]
+
+
+def test_transformers_batch_encoding_stays_a_batch_encoding() -> None:
+    from transformers import BatchEncoding
+
+    batch = BatchEncoding({"input_ids": torch.arange(12).reshape(4, 3), "attention_mask": torch.ones(4, 3)})
+    parts = split_batch(batch, 3)
+    assert all(type(part) is BatchEncoding for part in parts)
+    assert parts[1].input_ids.tolist() == [[9, 10, 11]]  # attribute access still works
+    assert torch.equal(torch.cat([part["attention_mask"] for part in parts]), batch["attention_mask"])
+    assert all(shares_storage(part["input_ids"], batch["input_ids"]) for part in parts)
+
+
+# -- errors -----------------------------------------------------------------------------------------------
+
+
+def test_tensors_disagreeing_on_dim_zero_name_both_paths() -> None:
+    batch = {"inputs": {"ids": torch.zeros(4, 3)}, "extra": [torch.zeros(5)]}
+    with pytest.raises(BatchSplitError) as caught:
+        split_batch(batch, 2)
+    message = str(caught.value)
+    assert "batch['inputs']['ids']" in message
+    assert "batch['extra'][0]" in message
+    assert "4" in message
+    assert "5" in message
+
+
+def test_batch_size_reports_the_same_disagreement() -> None:
+    with pytest.raises(BatchSplitError, match=r"batch\[0\].*batch\[1\]"):
+        batch_size((torch.zeros(3), torch.zeros(2)))
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        pytest.param({"name": "x", "n": 3}, id="no-tensor"),
+        pytest.param([], id="empty-list"),
+        pytest.param({"scale": torch.tensor(1.0)}, id="only-0d-tensor"),
+        pytest.param("just a string", id="string"),
+    ],
+)
+def test_batch_without_a_batch_dimension_is_refused(batch: Any) -> None:
+    with pytest.raises(BatchSplitError, match="no tensor with a batch dimension"):
+        split_batch(batch, 2)
+
+
+def test_batch_split_error_is_also_a_value_error() -> None:
+    # Callers that catch ValueError for bad input keep working.
+    with pytest.raises(ValueError, match="disagree on dim 0"):
+        split_batch([torch.zeros(2), torch.zeros(3)], 1)
+
+
+@pytest.mark.parametrize("micro_batch_size", [0, -1])
+def test_micro_batch_size_below_one_is_refused(micro_batch_size: int) -> None:
+    with pytest.raises(ValueError, match="micro_batch_size must be at least 1"):
+        split_batch(torch.zeros(4), micro_batch_size)
+
+
+def test_batch_size_of_nested_batch() -> None:
+    assert batch_size({"a": "text", "b": [None, {"c": torch.zeros(6, 2)}]}) == 6
+
+
+# -- weighing micro-batches -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def lm_batch() -> dict[str, torch.Tensor]:
+    """Four rows whose ignored labels sit in different places, so the one-token shift changes the counts."""
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (4, 6), generator=generator)
+    labels = ids.clone()
+    labels[0, 0] = IGNORE  # dropped by the shift anyway
+    labels[2, 4:] = IGNORE  # right padding
+    labels[3, :2] = IGNORE  # a masked prompt
+    return {"input_ids": ids, "labels": labels}
+
+
+def test_causal_lm_counts_labels_after_the_shift(tiny_llama: torch.nn.Module) -> None:
+    batch = lm_batch()
+    labels = batch["labels"]
+    count = default_item_counter(tiny_llama)
+    # Shifted: row 0 keeps 5, row 1 keeps 5, row 2 keeps 3 (positions 1..3), row 3 keeps 4 (positions 2..5).
+    assert count(batch) == 5 + 5 + 3 + 4
+    assert count(batch) == int((labels[..., 1:] != IGNORE).sum())
+    assert count(batch) != int((labels != IGNORE).sum())  # the batch is built so that the shift matters
+
+
+def test_causal_lm_counts_make_micro_batch_losses_add_up_to_the_full_loss(tiny_llama: torch.nn.Module) -> None:
+    # The reason for the counts: weighting each micro-batch's mean loss by its share of counted items gives the
+    # full batch's mean loss exactly; weighting by unshifted label counts does not.
+    batch = lm_batch()
+    count = default_item_counter(tiny_llama)
+    with torch.no_grad():
+        full = tiny_llama(**batch).loss
+        parts = split_batch(batch, 1)
+        losses = [tiny_llama(**part).loss for part in parts]
+    counts = count_items(parts, count)
+    weighted = sum(loss * n for loss, n in zip(losses, counts, strict=True)) / sum(counts)
+    assert torch.allclose(weighted, full, rtol=1e-5, atol=1e-6)
+
+    unshifted = [float((part["labels"] != IGNORE).sum()) for part in parts]
+    wrong = sum(loss * n for loss, n in zip(losses, unshifted, strict=True)) / sum(unshifted)
+    assert not torch.allclose(wrong, full, rtol=1e-5, atol=1e-6)
+
+
+def test_wrapped_causal_lm_still_shifts(tiny_llama: torch.nn.Module) -> None:
+    class Wrapper(torch.nn.Module):  # what DDP and DataParallel look like: the model under .module
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    batch = lm_batch()
+    assert default_item_counter(Wrapper(tiny_llama))(batch) == int((batch["labels"][..., 1:] != IGNORE).sum())
+
+
+def test_non_lm_model_counts_labels_without_shift() -> None:
+    batch = lm_batch()
+    expected = int((batch["labels"] != IGNORE).sum())  # every non-ignored label, first column included
+    assert default_item_counter(torch.nn.Linear(4, 4))(batch) == expected
+    assert default_item_counter(None)(batch) == expected
+
+
+def test_shift_labels_are_counted_as_they_are(tiny_llama: torch.nn.Module) -> None:
+    shift_labels = torch.tensor([[1, 2, IGNORE], [IGNORE, IGNORE, 5]])
+    batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long), "shift_labels": shift_labels}
+    assert default_item_counter(tiny_llama)(batch) == 3
+    # shift_labels win over labels when a batch has both
+    batch["labels"] = torch.zeros(2, 3, dtype=torch.long)
+    assert default_item_counter(tiny_llama)(batch) == 3
+    assert default_item_counter(None)(batch) == 3
+
+
+def test_one_dimensional_labels_count_samples(tiny_llama: torch.nn.Module) -> None:
+    # Classification labels (one per sample) carry no shift: the weight is the number of samples.
+    batch = {"x": torch.zeros(5, 2), "labels": torch.tensor([0, 1, IGNORE, 1, 0])}
+    assert default_item_counter(torch.nn.Linear(2, 2))(batch) == 5
+    assert default_item_counter(tiny_llama)(batch) == 5
+
+
+def test_tuple_batch_counts_samples() -> None:
+    counter = default_item_counter(torch.nn.Linear(16, 1))
+    assert counter((torch.randn(7, 16), torch.randn(7))) == 7
+    parts = split_batch((torch.randn(7, 16), torch.randn(7)), 3)
+    assert count_items(parts, counter) == [3.0, 3.0, 1.0]
+
+
+def test_count_items_accepts_zero() -> None:
+    # A micro-batch whose labels are all ignored weighs nothing; that is legal.
+    assert count_items([{"labels": torch.full((1, 4), IGNORE)}], default_item_counter(None)) == [0.0]
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, math.nan, math.inf])
+def test_count_items_rejects_negative_and_non_finite_counts(bad: float) -> None:
+    with pytest.raises(ValueError, match="micro-batch 1") as caught:
+        count_items(["a", "b"], lambda part: 2 if part == "a" else bad)
+    assert repr(float(bad)) in str(caught.value)
+
+
+# -- property: split, then join, gives the batch back --------------------------------------------------------
+
+KEYS = st.text(alphabet="abcxyz_", min_size=1, max_size=4)
+OTHER_LEAVES = st.one_of(
+    st.none(),
+    st.integers(-5, 5),
+    st.text(max_size=3),
+    st.floats(-2, 2, allow_nan=False).map(lambda value: torch.tensor(value)),  # 0-d tensor
+)
+
+
+@st.composite
+def sample_tensors(draw: st.DrawFn, n: int) -> torch.Tensor:
+    width = draw(st.integers(0, 3))
+    start = draw(st.integers(-50, 50))
+    dtype = draw(st.sampled_from([torch.float32, torch.int64, torch.bool]))
+    values = torch.arange(start, start + n * max(width, 1)).to(dtype)
+    if width == 0:
+        return values  # shape (n,)
+    if draw(st.booleans()):
+        return values.reshape(width, n).t()  # non-contiguous (n, width)
+    return values.reshape(n, width)
+
+
+@st.composite
+def nested_batches(draw: st.DrawFn) -> tuple[Any, int]:
+    n = draw(st.integers(1, 9))
+    leaves = st.one_of(sample_tensors(n), OTHER_LEAVES)
+    tree = draw(
+        st.recursive(
+            leaves,
+            lambda children: st.one_of(
+                st.lists(children, max_size=3),
+                st.lists(children, max_size=3).map(tuple),
+                st.dictionaries(KEYS, children, max_size=3),
+                st.builds(Pair, children, children),
+            ),
+            max_leaves=8,
+        )
+    )
+    anchor = draw(sample_tensors(n))  # at least one tensor with the batch dimension, wherever the tree has none
+    outer = draw(st.sampled_from(["dict", "list", "named tuple", "bare tensor"]))
+    if outer == "dict":
+        return {"anchor": anchor, "rest": tree}, n
+    if outer == "list":
+        return [tree, anchor], n
+    if outer == "named tuple":
+        return Pair(anchor, tree), n
+    return anchor, n
+
+
+@settings(max_examples=60, deadline=None)
+@given(nested_batches(), st.integers(1, 12))
+def test_split_then_join_gives_the_batch_back(drawn: tuple[Any, int], micro_batch_size: int) -> None:
+    batch, n = drawn
+    parts = split_batch(batch, micro_batch_size)
+    assert len(parts) == math.ceil(n / micro_batch_size)
+    sizes = [batch_size(part) for part in parts]
+    assert sizes == [min(micro_batch_size, n - start) for start in range(0, n, micro_batch_size)]
+    assert_rejoins(batch, parts)
