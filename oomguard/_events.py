@@ -101,11 +101,15 @@ class OOMEvent(Event):
 
 @dataclass(frozen=True)
 class FallbackEvent(Event):
-    """The guard moved one rung down: ``plan`` is the new plan, ``previous_plan`` the one that failed."""
+    """The guard moved one rung down: ``plan`` is the new plan, ``previous_plan`` the one that failed.
+
+    ``memory_at_failure`` is the picture when the previous plan failed, ``memory`` the one after recovery.
+    """
 
     kind: ClassVar[str] = "fallback"
     rung: str
     previous_plan: dict[str, Any]
+    memory_at_failure: MemorySnapshot
     description: str
 
     def describe(self) -> str:

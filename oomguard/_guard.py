@@ -9,6 +9,7 @@ attempts and time.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -20,7 +21,9 @@ import tenacity
 import torch
 
 from oomguard._batch import batch_size, default_item_counter
+from oomguard._blocks import find_blocks
 from oomguard._detect import is_oom
+from oomguard._effects import Effects
 from oomguard._errors import GuardConfigError, LadderExhausted, OOMGuardError, RecoveryLimitExceeded
 from oomguard._events import (
     Event,
@@ -36,7 +39,7 @@ from oomguard._events import (
 )
 from oomguard._memory import MemoryBackend, MemorySnapshot, current_backend, format_bytes, snapshot
 from oomguard._plan import Plan
-from oomguard._rungs import Rung, RungContext, resolve_ladder
+from oomguard._rungs import Rung, RungContext, bf16_supported, resolve_ladder
 from oomguard._step import Reduction, StepRunner
 from oomguard._transaction import JournalMode, OptimizerTransaction, Scheduler
 
@@ -148,19 +151,25 @@ class OOMGuard:
         self.scheduler = scheduler
         self.ladder = resolve_ladder(ladder)
         self.transaction = OptimizerTransaction(optimizer, step_journal)
+        self._device = next(model.parameters()).device
+        blocks = find_blocks(model)
+        self._rung_context = RungContext(
+            batch_size=0, num_blocks=len(blocks), bf16_supported=bf16_supported(self._device)
+        )
+        self.effects = Effects(model, optimizer, blocks)
         self._runner = StepRunner(
             step_fn,
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
             transaction=self.transaction,
+            effects=self.effects,
             max_grad_norm=max_grad_norm,
             item_counter=count_items or default_item_counter(model),
             reduction=reduction,
         )
         self._sinks: list[EventSink] = [JsonlSink(log_file)] if log_file is not None else []
         self._sinks.extend(sinks)
-        self._device = next(model.parameters()).device
         self._plan = Plan()
         self._plan_rung: str | None = None
         self._steps = 0
@@ -205,6 +214,13 @@ class OOMGuard:
     def events(self) -> list[Event]:
         """Events so far (the most recent 10,000; the log file keeps all)."""
         return list(self._events)
+
+    def close(self) -> None:
+        """Undo every effect of the current plan (checkpointing off, offloaded tensors back on the device).
+
+        The guard stays usable: the next call re-applies its plan.
+        """
+        self.effects.close()
 
     def summary(self) -> GuardSummary:
         """Which fallbacks were needed and how often."""
@@ -301,7 +317,8 @@ class OOMGuard:
                 memory_after_recovery=freed,
             )
         )
-        cheaper = self.ladder.next(failed.plan, RungContext(batch_size=call.size))
+        context = dataclasses.replace(self._rung_context, batch_size=call.size, phase=failed.summary.phase)
+        cheaper = self.ladder.next(failed.plan, context)
         if cheaper is None:
             call.exhausted = True
             return
@@ -315,6 +332,7 @@ class OOMGuard:
                 memory=freed,
                 rung=rung.name,
                 previous_plan=failed.plan.to_dict(),
+                memory_at_failure=failed.summary.memory,
                 description=f"{failed.plan.describe(call.size)} -> {plan.describe(call.size)}",
             )
         )

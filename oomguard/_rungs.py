@@ -1,6 +1,13 @@
 """Rungs of the fallback ladder: each takes a plan and returns a cheaper one, or None when it has no more to give.
 
-Rungs are pure: they only compute plans. What a plan does to torch state lives in the step runner.
+Rungs are pure: they only compute plans. What a plan does to torch state lives in :mod:`oomguard._effects`.
+Each rung says which phases of a step it relieves (``relieves``): after an OOM in the optimizer step, halving
+the micro-batches would not help, so the ladder skips to the first rung that relieves the failing phase (and
+falls back to the first rung that can escalate at all when none does).
+Rungs accumulate: an engaged rung stays on while the next one is added. When a rung other than ``micro_batch``
+engages, the micro-batch size goes back to the whole batch, since the memory it frees may let larger
+micro-batches fit again; the ladder then halves it afresh, so the plan the guard settles on is the cheapest
+that fits, not merely the first.
 """
 
 from __future__ import annotations
@@ -9,10 +16,23 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from oomguard._errors import GuardConfigError
-from oomguard._plan import Plan
+import torch
 
-__all__ = ["DEFAULT_LADDER", "Ladder", "MicroBatch", "Rung", "RungContext", "resolve_ladder"]
+from oomguard._errors import GuardConfigError
+from oomguard._plan import Plan, Precision
+
+__all__ = [
+    "DEFAULT_LADDER",
+    "ActivationOffload",
+    "Amp",
+    "Checkpointing",
+    "Ladder",
+    "LayerOffload",
+    "MicroBatch",
+    "Rung",
+    "RungContext",
+    "resolve_ladder",
+]
 
 
 @dataclass(frozen=True)
@@ -20,6 +40,16 @@ class RungContext:
     """What a rung may look at when it picks the next plan."""
 
     batch_size: int
+    #: Repeated blocks found in the model (decoder layers); 0 when it has none.
+    num_blocks: int = 0
+    #: Whether the device runs bf16 autocast (CPU, CUDA Ampere and newer).
+    bf16_supported: bool = True
+    #: Where the last attempt ran out of memory: forward, backward, clip, optimizer, apply...
+    phase: str = "forward"
+
+
+_ACTIVATIONS = frozenset({"forward", "backward"})
+_EVERYWHERE = frozenset({"apply", "forward", "backward", "clip", "optimizer"})
 
 
 @runtime_checkable
@@ -43,6 +73,7 @@ class MicroBatch:
 
     min_size: int = 1
     name: str = "micro_batch"
+    relieves: frozenset[str] = _ACTIVATIONS
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
         current = plan.effective_micro_batch_size(context.batch_size)
@@ -51,8 +82,71 @@ class MicroBatch:
         return plan.replace(micro_batch_size=max(self.min_size, -(-current // 2)))
 
 
-_BUILTIN: dict[str, type[MicroBatch]] = {"micro_batch": MicroBatch}
-DEFAULT_LADDER: tuple[str, ...] = ("micro_batch",)
+@dataclass(frozen=True)
+class Amp:
+    """Mixed precision: bf16 autocast where the device supports it, else fp16 with a gradient scaler.
+
+    ``dtype`` forces one of the two.
+    """
+
+    dtype: Precision | None = None
+    name: str = "amp"
+    relieves: frozenset[str] = _ACTIVATIONS
+
+    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
+        if plan.precision is not None:
+            return None
+        dtype: Precision = self.dtype or ("bf16" if context.bf16_supported else "fp16")
+        return plan.replace(precision=dtype)
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Activation checkpointing of the repeated blocks: every other block first, then every block."""
+
+    name: str = "checkpointing"
+    relieves: frozenset[str] = _ACTIVATIONS
+
+    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
+        if context.num_blocks == 0 or plan.checkpointing == "full":
+            return None
+        if plan.checkpointing is None and context.num_blocks > 1:
+            return plan.replace(checkpointing="partial")
+        return plan.replace(checkpointing="full")
+
+
+@dataclass(frozen=True)
+class ActivationOffload:
+    """Keep the tensors saved for backward in host memory, bringing them back for backward."""
+
+    name: str = "activation_offload"
+    relieves: frozenset[str] = _ACTIVATIONS
+
+    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
+        return None if plan.activation_offload else plan.replace(activation_offload=True)
+
+
+@dataclass(frozen=True)
+class LayerOffload:
+    """Keep the parameters, gradients and optimizer state of 1, 2, 4 ... blocks (up to all) in host memory."""
+
+    name: str = "layer_offload"
+    relieves: frozenset[str] = _EVERYWHERE
+
+    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
+        if plan.offload_layers >= context.num_blocks:
+            return None
+        return plan.replace(offload_layers=min(context.num_blocks, max(1, 2 * plan.offload_layers)))
+
+
+_BUILTIN: dict[str, type[Rung]] = {
+    "micro_batch": MicroBatch,
+    "amp": Amp,
+    "checkpointing": Checkpointing,
+    "activation_offload": ActivationOffload,
+    "layer_offload": LayerOffload,
+}
+DEFAULT_LADDER: tuple[str, ...] = ("micro_batch", "amp", "checkpointing", "activation_offload", "layer_offload")
 
 
 class Ladder:
@@ -67,18 +161,25 @@ class Ladder:
 
     def next(self, plan: Plan, context: RungContext) -> tuple[Rung, Plan] | None:
         """The rung to engage after ``plan`` failed, and the plan it gives; None when the ladder is exhausted."""
+        options = []
         for rung in self.rungs:
             cheaper = rung.escalate(plan, context)
             if cheaper is not None and cheaper != plan:
-                return rung, cheaper
-        return None
+                options.append((rung, cheaper))
+        relieving = [(r, p) for r, p in options if context.phase in getattr(r, "relieves", _EVERYWHERE)]
+        if not options:
+            return None
+        rung, cheaper = (relieving or options)[0]
+        if not isinstance(rung, MicroBatch) and "micro_batch" in self.names:
+            cheaper = cheaper.replace(micro_batch_size=None)  # a deeper rung may let larger micro-batches fit
+        return rung, cheaper
 
 
 def resolve_ladder(spec: Iterable[str | Rung] | None) -> Ladder:
     """Build a ladder from rung names and rung objects; ``None`` gives the default order.
 
-    >>> resolve_ladder(["micro_batch"]).names
-    ('micro_batch',)
+    >>> resolve_ladder(None).names
+    ('micro_batch', 'amp', 'checkpointing', 'activation_offload', 'layer_offload')
     """
     if spec is None:
         spec = DEFAULT_LADDER
@@ -90,7 +191,7 @@ def resolve_ladder(spec: Iterable[str | Rung] | None) -> Ladder:
             factory = _BUILTIN.get(item)
             if factory is None:
                 raise GuardConfigError(
-                    f"unknown rung {item!r} in ladder=; the rungs are: {', '.join(sorted(_BUILTIN))} "
+                    f"unknown rung {item!r} in ladder=; the rungs are: {', '.join(DEFAULT_LADDER)} "
                     f"(or pass an object with a name and an escalate(plan, context) method)"
                 )
             rungs.append(factory())
@@ -105,3 +206,10 @@ def resolve_ladder(spec: Iterable[str | Rung] | None) -> Ladder:
     if duplicates:
         raise GuardConfigError(f"ladder= names the rung(s) {duplicates} more than once; list each rung once")
     return Ladder(rungs)
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """Whether bf16 autocast runs natively on ``device`` (CPU: yes; CUDA: compute capability 8.0+)."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    return True

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch
 
 from oomguard._batch import count_items, split_batch
+from oomguard._effects import Effects
 from oomguard._errors import LossError
 from oomguard._memory import MemoryBackend
 from oomguard._plan import Plan
@@ -81,6 +82,7 @@ class StepRunner:
         optimizer: torch.optim.Optimizer,
         scheduler: Scheduler | None,
         transaction: OptimizerTransaction,
+        effects: Effects,
         max_grad_norm: float | None,
         item_counter: Callable[[Any], float],
         reduction: Reduction,
@@ -90,6 +92,7 @@ class StepRunner:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.transaction = transaction
+        self.effects = effects
         self.max_grad_norm = max_grad_norm
         self.item_counter = item_counter
         self.reduction = reduction
@@ -121,28 +124,36 @@ class StepRunner:
 
         On any exception the gradients are dropped and the optimizer step (if reached) is undone.
         """
-        self.phase, self.micro_batch = "forward", 0
+        self.phase, self.micro_batch = "apply", 0
         self.zero_grad()
+        scaler = self.effects.scaler(plan)  # fp16 only; a fresh one per attempt, from the last committed state
         done = False
         try:
+            self.effects.apply(plan, backend)
             parts, weights = self._parts(batch, size, plan)
             total: torch.Tensor | None = None
             for index, (part, weight) in enumerate(zip(parts, weights, strict=True)):
                 if weight == 0.0:  # no counted item: it contributes exactly nothing (and its mean is NaN)
                     continue
                 self.phase, self.micro_batch = "forward", index
-                loss = loss_of(self.step_fn(part))
+                with self.effects.forward(plan, backend):
+                    loss = loss_of(self.step_fn(part))
                 self.phase = "backward"
-                (loss if weight == 1.0 else loss * weight).backward()  # type: ignore[no-untyped-call]
-                contribution = loss.detach() if weight == 1.0 else loss.detach() * weight
+                weighted = loss if weight == 1.0 else loss * weight
+                (scaler.scale(weighted) if scaler is not None else weighted).backward()  # type: ignore[no-untyped-call]
+                contribution = loss.detach().float() * weight
                 total = contribution if total is None else total + contribution
-                del loss  # drop the graph's last reference before the next micro-batch's forward
+                del loss, weighted  # drop the graph's last references before the next micro-batch's forward
+            self.effects.after_backward()
             grad_norm = None
             if self.max_grad_norm is not None:
                 self.phase = "clip"
+                if scaler is not None:
+                    scaler.unscale_(self.optimizer)
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
             self.phase = "optimizer"
-            self.transaction.step(backend, self.scheduler)
+            self.transaction.step(backend, self.scheduler, scaler)
+            self.effects.commit_scaler(scaler)
             self.phase = "done"
             loss_value = float(total) if total is not None else float("nan")
             self.zero_grad()
@@ -150,6 +161,7 @@ class StepRunner:
             return AttemptOutput(loss_value, grad_norm, len(parts), plan.effective_micro_batch_size(size))
         finally:
             if not done:
+                self.effects.reset()
                 self.zero_grad()
 
 

@@ -23,6 +23,7 @@ the fast path takes over.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import torch
@@ -81,24 +82,40 @@ class OptimizerTransaction:
             return False
         return backend.reserve(self._bound)
 
-    def step(self, backend: MemoryBackend, scheduler: Scheduler | None = None) -> None:
-        """Run ``optimizer.step()`` then ``scheduler.step()``; if either raises, undo both and re-raise."""
+    def step(
+        self, backend: MemoryBackend, scheduler: Scheduler | None = None, scaler: torch.amp.GradScaler | None = None
+    ) -> None:
+        """Run ``optimizer.step()`` (through ``scaler`` if given), then ``scheduler.step()``.
+
+        If anything raises, the optimizer and scheduler are put back as they were and the error re-raised; a
+        failed attempt's ``scaler`` is simply discarded by its owner.
+        """
         params = self._params()
         before = backend.memory_allocated()
         if self._may_skip_journal(backend, params):
             self._host.clear()
-            self._fast_step(params, scheduler)
+            self._fast_step(params, self._runner(scheduler, scaler))
         else:
-            self._journaled_step(backend, params, scheduler)
+            self._journaled_step(backend, params, self._runner(scheduler, scaler), scheduler)
         self._measure(backend, before, params)
 
-    def _fast_step(self, params: list[torch.Tensor], scheduler: Scheduler | None) -> None:
+    def _runner(self, scheduler: Scheduler | None, scaler: torch.amp.GradScaler | None) -> Callable[[], None]:
+        def run() -> None:
+            if scaler is not None:
+                scaler.step(self.optimizer)  # skips the step on inf/nan gradients, the standard way
+                scaler.update()
+            else:
+                self.optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+
+        return run
+
+    def _fast_step(self, params: list[torch.Tensor], run: Callable[[], None]) -> None:
         tensors = self._mutable_tensors(params)
         versions = [t._version for t in tensors]
         try:
-            self.optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
+            run()
         except BaseException as exc:
             changed = sum(t._version != v for t, v in zip(tensors, versions, strict=True))
             if changed:
@@ -110,7 +127,9 @@ class OptimizerTransaction:
                 ) from exc
             raise
 
-    def _journaled_step(self, backend: MemoryBackend, params: list[torch.Tensor], scheduler: Scheduler | None) -> None:
+    def _journaled_step(
+        self, backend: MemoryBackend, params: list[torch.Tensor], run: Callable[[], None], scheduler: Scheduler | None
+    ) -> None:
         self.journaled_steps += 1
         optimizer = self.optimizer
         # Structure: which params have state and which keys each state holds (shallow: tensors are shared).
@@ -123,9 +142,7 @@ class OptimizerTransaction:
         self._host = {id(t): c for t, c in zip(tensors, copies, strict=True)}
         done = False
         try:
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
+            run()
             done = True
         finally:
             if not done:

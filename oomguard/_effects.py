@@ -1,0 +1,102 @@
+"""Effects: the only place where a plan changes torch state, and where that change is undone.
+
+Persistent effects (checkpointing, layer offload) are applied when the plan changes and stay until it changes
+again or :meth:`Effects.close`; per-forward effects (autocast, activation offload) are contexts around each
+micro-batch's forward. Every effect can be undone cleanly, so a plan can be relaxed later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from oomguard._checkpointing import enable_checkpointing
+from oomguard._memory import MemoryBackend
+from oomguard._offload import ActivationOffloader, LayerOffloader
+from oomguard._plan import Checkpointing, Plan, Precision
+
+__all__ = ["Effects"]
+
+_DTYPES: dict[Precision, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Effects:
+    """Applies plans to one model and optimizer."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, blocks: list[torch.nn.Module]) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.blocks = blocks
+        self._device_type = next(model.parameters()).device.type
+        self._checkpointing: Checkpointing | None = None
+        self._undo_checkpointing: Callable[[], None] | None = None
+        self._layers: LayerOffloader | None = None
+        self._scaler_state: dict[str, Any] | None = None
+
+    # -- persistent effects ---------------------------------------------------------------------------
+    def apply(self, plan: Plan, backend: MemoryBackend) -> None:
+        """Bring checkpointing and layer offload to what ``plan`` asks for."""
+        if plan.checkpointing != self._checkpointing:
+            if self._undo_checkpointing is not None:
+                self._undo_checkpointing()
+                self._undo_checkpointing, self._checkpointing = None, None
+            if plan.checkpointing is not None:
+                self._undo_checkpointing = enable_checkpointing(self.model, plan.checkpointing)
+                self._checkpointing = plan.checkpointing
+        offloaded = len(self._layers.blocks) if self._layers is not None else 0
+        if plan.offload_layers != offloaded:
+            if self._layers is not None:
+                self._layers.close()
+                self._layers = None
+            if plan.offload_layers:
+                self._layers = LayerOffloader(self.blocks[: plan.offload_layers], self.optimizer, backend)
+
+    # -- per-forward effects --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def forward(self, plan: Plan, backend: MemoryBackend) -> Iterator[None]:
+        """Autocast and activation offload around one micro-batch's forward."""
+        with contextlib.ExitStack() as stack:
+            if plan.precision is not None:
+                stack.enter_context(torch.autocast(device_type=self._device_type, dtype=_DTYPES[plan.precision]))
+            if plan.activation_offload:
+                params = {id(p.untyped_storage()) for p in self.model.parameters()}
+                offloader = ActivationOffloader(backend, lambda storage: id(storage) in params)
+                stack.enter_context(offloader.hooks())
+            yield
+
+    def scaler(self, plan: Plan) -> torch.amp.GradScaler | None:
+        """A gradient scaler for an fp16 attempt, starting from the last committed scaler state."""
+        if plan.precision != "fp16":
+            return None
+        scaler = torch.amp.GradScaler(self._device_type)
+        if self._scaler_state is not None:
+            scaler.load_state_dict(self._scaler_state)
+        return scaler
+
+    def commit_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
+        """Remember the scaler state of a step that succeeded (a failed attempt's scaler is dropped)."""
+        if scaler is not None:
+            self._scaler_state = scaler.state_dict()
+
+    # -- around backward and failures -----------------------------------------------------------------
+    def after_backward(self) -> None:
+        """Hand offloaded blocks' host gradients to their parameters before clipping and the step."""
+        if self._layers is not None:
+            self._layers.attach_grads()
+
+    def reset(self) -> None:
+        """After a failed attempt: drop what a half-done forward/backward left in the effects."""
+        if self._layers is not None:
+            self._layers.reset()
+
+    def close(self) -> None:
+        """Undo every effect: checkpointing off, hooks removed, offloaded tensors back on the device."""
+        if self._layers is not None:
+            self._layers.close()
+            self._layers = None
+        if self._undo_checkpointing is not None:
+            self._undo_checkpointing()
+            self._undo_checkpointing, self._checkpointing = None, None

@@ -1,0 +1,253 @@
+"""Offloading to host memory: saved activations, and whole blocks' parameters, gradients and optimizer state.
+
+Both go through the memory backend's copy primitives only (``to_host``, ``to_device``), so the same code runs on
+CUDA (pinned host memory, non-blocking copies) and on :class:`~oomguard.testing.SimulatedGPU` (where a host
+copy leaves the accounting and a device copy enters it).
+
+Layer offload streams a block's parameters the way FSDP does: each parameter keeps one device tensor whose
+*storage* is resized to zero when the block is not in use and refilled from the host copy just before use. The
+autograd graph keeps views of that storage (a linear layer saves ``weight.t()``), so swapping ``p.data`` alone
+would free nothing; emptying the storage frees it while those views stay valid for the refill before backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from oomguard._memory import MemoryBackend
+
+__all__ = ["ActivationOffloader", "LayerOffloader"]
+
+_MIN_OFFLOAD_BYTES = 1024  # smaller saved tensors are not worth a round trip
+
+
+class _HostCopy:
+    """One offloaded storage: its host bytes, and the device copy made for backward while it is in use."""
+
+    __slots__ = ("__weakref__", "device", "host")
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+        self.device: weakref.ref[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A saved tensor as a view into an offloaded storage."""
+
+    copy: _HostCopy
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """The whole storage as a flat uint8 tensor (a view: nothing is copied)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class ActivationOffloader:
+    """Saved-tensor hooks that keep activations saved for backward in host memory.
+
+    Parameters (and views of them) and tiny tensors stay where they are. Each storage is copied once however
+    many saved views share it, and brought back once per backward however many times it is unpacked.
+    """
+
+    def __init__(self, backend: MemoryBackend, keep: Callable[[torch.UntypedStorage], bool]) -> None:
+        self.backend = backend
+        self.keep = keep  # storages that must stay on the device (parameters)
+        self._copies: dict[int, tuple[weakref.ref[torch.UntypedStorage], _HostCopy]] = {}
+
+    @contextmanager
+    def hooks(self) -> Iterator[None]:
+        """Offload what the forward inside this context saves for backward."""
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._copies.clear()  # the packed objects hold what backward needs
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if not self.backend.is_device(tensor) or tensor.layout != torch.strided:
+            return tensor
+        storage = tensor.untyped_storage()
+        if storage.nbytes() < _MIN_OFFLOAD_BYTES or self.keep(storage):
+            return tensor
+        known = self._copies.get(id(storage))
+        if known is None or known[0]() is not storage:
+            copy = _HostCopy(self.backend.to_host(_bytes_of(storage, tensor.device)))
+            known = (weakref.ref(storage), copy)
+            self._copies[id(storage)] = known
+        return _Packed(
+            known[1], tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset())
+        )
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Packed):
+            return packed  # type: ignore[no-any-return]
+        copy = packed.copy
+        device = copy.device() if copy.device is not None else None
+        if device is None:
+            device = self.backend.to_device(copy.host)
+            copy.device = weakref.ref(device)
+        view = torch.empty(0, dtype=packed.dtype, device=device.device)
+        return view.set_(device.untyped_storage(), packed.offset, packed.size, packed.stride)
+
+
+@dataclass(eq=False)
+class _Streamed:
+    """One offloaded parameter: its host master copy, its device tensor, and its gradient on the host."""
+
+    param: torch.nn.Parameter
+    host: torch.Tensor
+    device: torch.Tensor
+    grad: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class _Block:
+    module: torch.nn.Module
+    params: list[_Streamed]
+    resident: bool = False
+    pending: int = 0  # gradients still to arrive in this backward before the block can be released
+    handles: list[Any] = field(default_factory=list)
+
+
+class LayerOffloader:
+    """Keeps the parameters, gradients and optimizer state of ``blocks`` in host memory.
+
+    A block's parameters are brought to the device just before its forward and just before its backward, and
+    released after each; gradients are moved to the host as soon as autograd has accumulated them. Between
+    steps the parameters *are* the host copies, so ``optimizer.step()`` (and its state) runs on the host.
+    """
+
+    def __init__(self, blocks: list[torch.nn.Module], optimizer: torch.optim.Optimizer, backend: MemoryBackend) -> None:
+        self.backend = backend
+        self.optimizer = optimizer
+        self.blocks: list[_Block] = []
+        for module in blocks:
+            params = []
+            for param in module.parameters():
+                host = backend.to_host(param.data)
+                backend.synchronize()
+                device = param.data
+                params.append(_Streamed(param, host, device))
+            self.blocks.append(_Block(module, params))
+        for block in self.blocks:
+            for item in block.params:
+                backend.resize_storage(item.device, 0)
+                item.param.data = item.host
+                self._move_state(item.param, backend.to_host)
+            block.handles.append(block.module.register_forward_pre_hook(self._before_forward(block)))
+            block.handles.append(block.module.register_forward_hook(self._after_forward(block)))
+            for item in block.params:
+                if item.param.requires_grad:
+                    hook = self._grad_ready(block)
+                    block.handles.append(item.param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+
+    # -- streaming ------------------------------------------------------------------------------------
+    def _materialize(self, block: _Block) -> None:
+        if block.resident:
+            return
+        for item in block.params:
+            self.backend.resize_storage(item.device, item.host.numel() * item.host.element_size())
+            item.device.copy_(item.host, non_blocking=True)
+            item.param.data = item.device
+        block.resident = True
+        block.pending = sum(1 for item in block.params if item.param.requires_grad)
+
+    def _release(self, block: _Block) -> None:
+        if not block.resident:
+            return
+        for item in block.params:
+            item.param.data = item.host
+            self.backend.resize_storage(item.device, 0)
+        block.resident = False
+
+    def _before_forward(self, block: _Block) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self._materialize(block)
+
+        return hook
+
+    def _after_forward(self, block: _Block) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                return  # a checkpoint recompute inside backward: the backward that follows needs the weights
+            if torch.is_grad_enabled():
+                for leaf in tree_flatten(output)[0]:
+                    if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                        leaf.register_hook(self._before_backward(block))  # type: ignore[no-untyped-call]
+            self._release(block)
+
+        return hook
+
+    def _before_backward(self, block: _Block) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self._materialize(block)
+
+        return hook
+
+    def _grad_ready(self, block: _Block) -> Callable[[torch.Tensor], None]:
+        by_param = {id(item.param): item for item in block.params}
+
+        def hook(param: torch.Tensor) -> None:
+            item = by_param[id(param)]
+            grad = param.grad
+            if grad is not None:
+                host = self.backend.to_host(grad)
+                self.backend.synchronize()  # the host add below reads it
+                item.grad = host if item.grad is None else item.grad.add_(host)
+                param.grad = None  # free the device gradient now
+            block.pending -= 1
+            if block.pending <= 0:
+                self._release(block)
+
+        return hook
+
+    # -- around the optimizer step --------------------------------------------------------------------
+    def attach_grads(self) -> None:
+        """After the last backward: release every block and hand the host gradients to the parameters."""
+        for block in self.blocks:
+            self._release(block)
+            for item in block.params:
+                item.param.grad = item.grad
+                item.grad = None
+
+    def reset(self) -> None:
+        """After a failed attempt: release every block and drop partial host gradients."""
+        for block in self.blocks:
+            self._release(block)
+            for item in block.params:
+                item.grad = None
+                item.param.grad = None
+
+    def close(self) -> None:
+        """Undo everything: hooks removed, parameters and optimizer state back on the device."""
+        self.reset()
+        for block in self.blocks:
+            for handle in block.handles:
+                handle.remove()
+            for item in block.params:
+                self.backend.resize_storage(item.device, item.host.numel() * item.host.element_size())
+                item.device.copy_(item.host)
+                item.param.data = item.device
+                self._move_state(item.param, self.backend.to_device)
+        self.blocks = []
+
+    def _move_state(self, param: torch.Tensor, copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        state = self.optimizer.state.get(param)
+        if not state:
+            return
+        for key, value in list(state.items()):
+            if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                state[key] = copy(value)
+        self.backend.synchronize()
