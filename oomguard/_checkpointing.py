@@ -2,6 +2,9 @@
 
 ``partial`` checkpoints every other repeated block, ``full`` every block. Gradients are identical to training
 without it: the recompute runs the same ops (``use_reentrant=False``, RNG state preserved for dropout).
+
+Undoing puts the model back exactly as it was: a layer the user had checkpointed stays checkpointed (and stays
+so while the rung is on), and the input-embedding hook transformers adds is removed only if it was ours.
 """
 
 from __future__ import annotations
@@ -17,13 +20,27 @@ from torch.utils.checkpoint import checkpoint
 from oomguard._blocks import find_blocks, is_transformers_model
 from oomguard._plan import Checkpointing
 
-__all__ = ["enable_checkpointing"]
+__all__ = ["enable_checkpointing", "user_checkpointing"]
 
 _KWARGS = {"use_reentrant": False}
+_MISSING = object()
+_HOOK_ATTRS = ("_require_grads_hooks", "_require_grads_hook")  # where transformers keeps its input-grad hooks
+
+
+def user_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether the user already checkpoints every layer (then the rung has nothing to add)."""
+    flag = (
+        "is_activation_checkpointing"
+        if hasattr(type(model), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
+    return bool(getattr(model, flag, False)) and all(
+        getattr(block, "gradient_checkpointing", True) for block in find_blocks(model)
+    )
 
 
 def enable_checkpointing(model: torch.nn.Module, mode: Checkpointing) -> Callable[[], None]:
-    """Turn checkpointing on in ``mode``; returns the function that turns it off again."""
+    """Turn checkpointing on in ``mode``; returns the function that puts the model back as it was."""
     every = 1 if mode == "full" else 2
     if is_transformers_model(model):
         return _enable_transformers(model, every)
@@ -36,28 +53,52 @@ def enable_checkpointing(model: torch.nn.Module, mode: Checkpointing) -> Callabl
 
 
 def _enable_transformers(model: Any, every: int) -> Callable[[], None]:
+    flagged = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+    before = [(m, m.gradient_checkpointing, vars(m).get("_gradient_checkpointing_func", _MISSING)) for m in flagged]
+    hooks_before = {name: vars(model).get(name, _MISSING) for name in _HOOK_ATTRS}
+    old_handles = _handles(hooks_before.get("_require_grads_hooks"))
+
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None and "every_n_layers" in inspect.signature(enable).parameters:  # transformers 5.x
         enable(activation_checkpointing_kwargs=dict(_KWARGS), every_n_layers=every)
-        return model.activation_checkpointing_disable  # type: ignore[no-any-return]
-    # Older releases: the deprecated name, no every_n_layers; skip layers by their flag, as 5.x does.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(_KWARGS))
-    if every > 1:
+    else:  # older releases: the deprecated name, no every_n_layers; skip layers by their flag, as 5.x does
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(_KWARGS))
         for index, block in enumerate(find_blocks(model)):
             if hasattr(block, "gradient_checkpointing"):
                 setattr(block, "gradient_checkpointing", index % every == 0)  # noqa: B010
+    for module, flag, _ in before:  # never un-checkpoint a layer the user checkpointed
+        if flag:
+            module.gradient_checkpointing = True
 
-    def disable() -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_disable()
+    def undo() -> None:
+        for handle in _handles(vars(model).get("_require_grads_hooks")):
+            if not any(handle is old for old in old_handles):
+                handle.remove()
+        for name, value in hooks_before.items():
+            _restore(model, name, value)
+        for module, flag, func in before:
+            module.gradient_checkpointing = flag
+            _restore(module, "_gradient_checkpointing_func", func)
 
-    return disable
+    return undo
+
+
+def _handles(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else []
+
+
+def _restore(obj: Any, name: str, value: Any) -> None:
+    if value is _MISSING:
+        if name in vars(obj):
+            delattr(obj, name)
+    else:
+        setattr(obj, name, value)
 
 
 def _enable_generic(blocks: list[torch.nn.Module]) -> Callable[[], None]:
+    previous = [vars(block).get("forward", _MISSING) for block in blocks]  # a wrapper the user already set
     for block in blocks:
         original = block.forward
 
@@ -68,9 +109,8 @@ def _enable_generic(blocks: list[torch.nn.Module]) -> Callable[[], None]:
 
         block.forward = forward  # type: ignore[method-assign]
 
-    def disable() -> None:
-        for block in blocks:
-            if "forward" in vars(block):
-                del block.forward
+    def undo() -> None:
+        for block, forward in zip(blocks, previous, strict=True):
+            _restore(block, "forward", forward)
 
-    return disable
+    return undo

@@ -37,8 +37,9 @@ class Effects:
         self._scaler_state: dict[str, Any] | None = None
 
     # -- persistent effects ---------------------------------------------------------------------------
-    def apply(self, plan: Plan, backend: MemoryBackend) -> None:
-        """Bring checkpointing and layer offload to what ``plan`` asks for."""
+    def apply(self, plan: Plan, backend: MemoryBackend) -> bool:
+        """Bring checkpointing and layer offload to what ``plan`` asks for; True if anything changed."""
+        changed = plan.checkpointing != self._checkpointing or plan.offload_layers != self.offloaded_layers
         if plan.checkpointing != self._checkpointing:
             if self._undo_checkpointing is not None:
                 self._undo_checkpointing()
@@ -46,13 +47,21 @@ class Effects:
             if plan.checkpointing is not None:
                 self._undo_checkpointing = enable_checkpointing(self.model, plan.checkpointing)
                 self._checkpointing = plan.checkpointing
-        offloaded = len(self._layers.blocks) if self._layers is not None else 0
-        if plan.offload_layers != offloaded:
-            if self._layers is not None:
-                self._layers.close()
-                self._layers = None
-            if plan.offload_layers:
-                self._layers = LayerOffloader(self.blocks[: plan.offload_layers], self.optimizer, backend)
+        if self._layers is None and plan.offload_layers:
+            self._layers = LayerOffloader(self.optimizer, backend)
+        if self._layers is not None:
+            # One block at a time: offloading more only moves memory to the host; restoring is all-or-nothing
+            # per block, so an OOM part-way leaves a consistent (if deeper) configuration to retry from.
+            while len(self._layers.blocks) < plan.offload_layers:
+                self._layers.add(self.blocks[len(self._layers.blocks)])
+            while len(self._layers.blocks) > plan.offload_layers:
+                self._layers.restore_last()
+        return changed
+
+    @property
+    def offloaded_layers(self) -> int:
+        """How many blocks are offloaded now."""
+        return len(self._layers.blocks) if self._layers is not None else 0
 
     # -- per-forward effects --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -60,9 +69,15 @@ class Effects:
         """Autocast and activation offload around one micro-batch's forward."""
         with contextlib.ExitStack() as stack:
             if plan.precision is not None:
-                stack.enter_context(torch.autocast(device_type=self._device_type, dtype=_DTYPES[plan.precision]))
+                # autocast caches the half-precision copy of every weight until the forward ends, which would
+                # keep each streamed block's weights on the device: no cache while layers are offloaded.
+                cache = self.offloaded_layers == 0
+                dtype = _DTYPES[plan.precision]
+                stack.enter_context(torch.autocast(device_type=self._device_type, dtype=dtype, cache_enabled=cache))
             if plan.activation_offload:
                 params = {id(p.untyped_storage()) for p in self.model.parameters()}
+                if self._layers is not None:
+                    params |= self._layers.device_storages()  # streamed weights get their storage later
                 offloader = ActivationOffloader(backend, lambda storage: id(storage) in params)
                 stack.enter_context(offloader.hooks())
             yield

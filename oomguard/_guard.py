@@ -22,6 +22,7 @@ import torch
 
 from oomguard._batch import batch_size, default_item_counter
 from oomguard._blocks import find_blocks
+from oomguard._checkpointing import user_checkpointing
 from oomguard._detect import is_oom
 from oomguard._effects import Effects
 from oomguard._errors import GuardConfigError, LadderExhausted, OOMGuardError, RecoveryLimitExceeded
@@ -115,6 +116,20 @@ class _Call:
     exhausted: bool = False
 
 
+def _flush_autograd_queue(device: torch.device) -> None:
+    """Free the gradients a failed backward left queued in autograd's engine.
+
+    When backward raises, the tasks it had queued but not run stay in the engine's per-device ready queue, each
+    holding its input gradients, until the next backward on that device drains them. A tiny backward does it
+    now, so memory is back to what it was before the attempt.
+    """
+    try:
+        torch.zeros((), device=device, requires_grad=True).mul(1.0).backward()  # type: ignore[no-untyped-call]
+    except Exception as exc:  # an OOM here only delays the release to the retry's own backward
+        if not is_oom(exc):
+            raise
+
+
 def _no_sleep(_: float) -> None:
     return None
 
@@ -154,7 +169,10 @@ class OOMGuard:
         self._device = next(model.parameters()).device
         blocks = find_blocks(model)
         self._rung_context = RungContext(
-            batch_size=0, num_blocks=len(blocks), bf16_supported=bf16_supported(self._device)
+            batch_size=0,
+            num_blocks=len(blocks),
+            bf16_supported=bf16_supported(self._device),
+            checkpointed=user_checkpointing(model),
         )
         self.effects = Effects(model, optimizer, blocks)
         self._runner = StepRunner(
@@ -299,6 +317,8 @@ class OOMGuard:
         if not isinstance(failed, _Failed):
             raise AssertionError("tenacity retried an attempt that did not fail")
         self._runner.zero_grad()
+        if failed.summary.phase == "backward":
+            _flush_autograd_queue(self._device)
         gc.collect()  # frames of the failed attempt may sit in reference cycles
         call.backend.empty_cache()
         freed = snapshot(call.backend)
@@ -317,7 +337,9 @@ class OOMGuard:
                 memory_after_recovery=freed,
             )
         )
-        context = dataclasses.replace(self._rung_context, batch_size=call.size, phase=failed.summary.phase)
+        context = dataclasses.replace(
+            self._rung_context, batch_size=call.size, phase=failed.summary.phase, can_offload=call.backend.offloads
+        )
         cheaper = self.ladder.next(failed.plan, context)
         if cheaper is None:
             call.exhausted = True

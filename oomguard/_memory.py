@@ -71,6 +71,8 @@ class MemoryBackend(Protocol):
     name: str
     #: Whether ``memory_allocated`` and ``max_memory_allocated`` are real figures (False on plain CPU).
     tracks_allocations: bool
+    #: Whether moving tensors to the host frees device memory (False on a CPU-only run: the host is the device).
+    offloads: bool
 
     def total_memory(self) -> int | None: ...
     def memory_allocated(self) -> int: ...
@@ -139,6 +141,7 @@ class CpuMemory:
 
     name = "cpu"
     tracks_allocations = False
+    offloads = False
 
     def total_memory(self) -> int | None:
         try:
@@ -182,6 +185,7 @@ class CudaMemory:
     """A CUDA device, read through ``torch.cuda``."""
 
     tracks_allocations = True
+    offloads = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

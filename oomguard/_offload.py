@@ -25,8 +25,6 @@ from oomguard._memory import MemoryBackend
 
 __all__ = ["ActivationOffloader", "LayerOffloader"]
 
-_MIN_OFFLOAD_BYTES = 1024  # smaller saved tensors are not worth a round trip
-
 
 class _HostCopy:
     """One offloaded storage: its host bytes, and the device copy made for backward while it is in use."""
@@ -57,8 +55,11 @@ def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tens
 class ActivationOffloader:
     """Saved-tensor hooks that keep activations saved for backward in host memory.
 
-    Parameters (and views of them) and tiny tensors stay where they are. Each storage is copied once however
-    many saved views share it, and brought back once per backward however many times it is unpacked.
+    Each storage is copied once however many saved views share it, and brought back once per backward however
+    many times it is unpacked. Leaves (parameters, inputs) stay where they are. Every other saved tensor is
+    offloaded, however small: a pack hook that hands back a tensor an op saved of its *own output* makes a
+    reference cycle through autograd's C++ graph (node -> saved tensor -> grad_fn -> node) that only backward
+    breaks, so after a forward that fails it would never be freed.
     """
 
     def __init__(self, backend: MemoryBackend, keep: Callable[[torch.UntypedStorage], bool]) -> None:
@@ -76,10 +77,10 @@ class ActivationOffloader:
             self._copies.clear()  # the packed objects hold what backward needs
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if not self.backend.is_device(tensor) or tensor.layout != torch.strided:
+        if tensor.grad_fn is None or not self.backend.is_device(tensor) or tensor.layout != torch.strided:
             return tensor
         storage = tensor.untyped_storage()
-        if storage.nbytes() < _MIN_OFFLOAD_BYTES or self.keep(storage):
+        if self.keep(storage):
             return tensor
         known = self._copies.get(id(storage))
         if known is None or known[0]() is not storage:
@@ -110,6 +111,7 @@ class _Streamed:
     host: torch.Tensor
     device: torch.Tensor
     grad: torch.Tensor | None = None
+    moved: frozenset[str] = frozenset()  # optimizer-state keys moved to the host with it
 
 
 @dataclass(eq=False)
@@ -129,39 +131,98 @@ class LayerOffloader:
     steps the parameters *are* the host copies, so ``optimizer.step()`` (and its state) runs on the host.
     """
 
-    def __init__(self, blocks: list[torch.nn.Module], optimizer: torch.optim.Optimizer, backend: MemoryBackend) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, backend: MemoryBackend) -> None:
         self.backend = backend
         self.optimizer = optimizer
         self.blocks: list[_Block] = []
-        for module in blocks:
-            params = []
-            for param in module.parameters():
-                host = backend.to_host(param.data)
-                backend.synchronize()
-                device = param.data
-                params.append(_Streamed(param, host, device))
-            self.blocks.append(_Block(module, params))
-        for block in self.blocks:
-            for item in block.params:
-                backend.resize_storage(item.device, 0)
-                item.param.data = item.host
-                self._move_state(item.param, backend.to_host)
-            block.handles.append(block.module.register_forward_pre_hook(self._before_forward(block)))
-            block.handles.append(block.module.register_forward_hook(self._after_forward(block)))
-            for item in block.params:
-                if item.param.requires_grad:
-                    hook = self._grad_ready(block)
-                    block.handles.append(item.param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+
+    def device_storages(self) -> set[int]:
+        """Identities of the device storages streamed weights use (they persist, resized in place)."""
+        return {id(item.device.untyped_storage()) for block in self.blocks for item in block.params}
+
+    def add(self, module: torch.nn.Module) -> None:
+        """Offload one more block. Only host memory is allocated, so this cannot run the device out of memory."""
+        streamed = {id(item.param) for block in self.blocks for item in block.params}
+        params = [  # a parameter shared with a block already offloaded is streamed by that block
+            _Streamed(p, self.backend.to_host(p.data), p.data) for p in module.parameters() if id(p) not in streamed
+        ]
+        states = [self._state_tensors(item.param, on=item.device.device) for item in params]
+        for item, state in zip(params, states, strict=True):
+            item.moved = frozenset(state)
+        host_states = [{key: self.backend.to_host(value) for key, value in state.items()} for state in states]
+        self.backend.synchronize()  # every host copy has landed before the device memory is let go
+        block = _Block(module, params)
+        for item, host_state in zip(params, host_states, strict=True):
+            if host_state:  # (no empty entry: an entry's absence means "state not built yet")
+                self.optimizer.state[item.param].update(host_state)
+            item.param.data = item.host
+            self.backend.resize_storage(item.device, 0)
+        block.handles.append(module.register_forward_pre_hook(self._before_forward(block)))
+        block.handles.append(module.register_forward_hook(self._after_forward(block)))
+        for item in params:
+            if item.param.requires_grad:
+                hook = self._grad_ready(block)
+                block.handles.append(item.param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+        self.blocks.append(block)
+
+    def restore_last(self) -> None:
+        """Bring the most recently offloaded block back to the device, all or nothing.
+
+        Every device allocation (parameters, optimizer state) is made before anything is switched over, so an
+        out-of-memory error here leaves the block offloaded and intact.
+        """
+        block = self.blocks[-1]
+        self._release(block)
+        sizes = [item.host.numel() * item.host.element_size() for item in block.params]
+        grown: list[_Streamed] = []
+        try:
+            for item, size in zip(block.params, sizes, strict=True):
+                self.backend.resize_storage(item.device, size)
+                grown.append(item)
+            device_states = [
+                {
+                    key: self.backend.to_device(value)
+                    for key, value in self._state_tensors(item.param).items()
+                    if key in item.moved or value.shape == item.param.shape
+                }
+                for item in block.params
+            ]
+        except BaseException:
+            for item in grown:
+                self.backend.resize_storage(item.device, 0)
+            raise
+        for handle in block.handles:
+            handle.remove()
+        for item, device_state in zip(block.params, device_states, strict=True):
+            item.device.copy_(item.host, non_blocking=True)
+            item.param.data = item.device
+            if device_state:
+                self.optimizer.state[item.param].update(device_state)
+        self.backend.synchronize()
+        self.blocks.pop()
+
+    def _state_tensors(self, param: torch.Tensor, on: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The optimizer state of ``param``: every tensor, or only those on device ``on``.
+
+        Moments move with the parameter; so does a step counter kept on the device (capturable/fused Adam),
+        while one kept on the host (the default) stays there.
+        """
+        state = self.optimizer.state.get(param, {})
+        return {
+            key: value
+            for key, value in state.items()
+            if isinstance(value, torch.Tensor) and (on is None or value.device == on)
+        }
 
     # -- streaming ------------------------------------------------------------------------------------
     def _materialize(self, block: _Block) -> None:
         if block.resident:
             return
+        block.resident = True  # first: if an allocation below fails, reset() still releases what was grown
         for item in block.params:
             self.backend.resize_storage(item.device, item.host.numel() * item.host.element_size())
             item.device.copy_(item.host, non_blocking=True)
             item.param.data = item.device
-        block.resident = True
         block.pending = sum(1 for item in block.params if item.param.requires_grad)
 
     def _release(self, block: _Block) -> None:
@@ -233,21 +294,5 @@ class LayerOffloader:
     def close(self) -> None:
         """Undo everything: hooks removed, parameters and optimizer state back on the device."""
         self.reset()
-        for block in self.blocks:
-            for handle in block.handles:
-                handle.remove()
-            for item in block.params:
-                self.backend.resize_storage(item.device, item.host.numel() * item.host.element_size())
-                item.device.copy_(item.host)
-                item.param.data = item.device
-                self._move_state(item.param, self.backend.to_device)
-        self.blocks = []
-
-    def _move_state(self, param: torch.Tensor, copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        state = self.optimizer.state.get(param)
-        if not state:
-            return
-        for key, value in list(state.items()):
-            if isinstance(value, torch.Tensor) and value.shape == param.shape:
-                state[key] = copy(value)
-        self.backend.synchronize()
+        while self.blocks:
+            self.restore_last()

@@ -46,10 +46,14 @@ class RungContext:
     bf16_supported: bool = True
     #: Where the last attempt ran out of memory: forward, backward, clip, optimizer, apply...
     phase: str = "forward"
+    #: Whether host memory is distinct from device memory (offloading cannot help a CPU-only run).
+    can_offload: bool = True
+    #: Whether the user already checkpoints every block (the checkpointing rung has nothing to add).
+    checkpointed: bool = False
 
 
-_ACTIVATIONS = frozenset({"forward", "backward"})
-_EVERYWHERE = frozenset({"apply", "forward", "backward", "clip", "optimizer"})
+_ACTIVATIONS = frozenset({"split", "forward", "backward"})
+_EVERYWHERE = frozenset({"apply", "split", "forward", "backward", "clip", "optimizer"})
 
 
 @runtime_checkable
@@ -108,7 +112,7 @@ class Checkpointing:
     relieves: frozenset[str] = _ACTIVATIONS
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        if context.num_blocks == 0 or plan.checkpointing == "full":
+        if context.num_blocks == 0 or context.checkpointed or plan.checkpointing == "full":
             return None
         if plan.checkpointing is None and context.num_blocks > 1:
             return plan.replace(checkpointing="partial")
@@ -123,7 +127,9 @@ class ActivationOffload:
     relieves: frozenset[str] = _ACTIVATIONS
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        return None if plan.activation_offload else plan.replace(activation_offload=True)
+        if plan.activation_offload or not context.can_offload:
+            return None
+        return plan.replace(activation_offload=True)
 
 
 @dataclass(frozen=True)
@@ -134,7 +140,7 @@ class LayerOffload:
     relieves: frozenset[str] = _EVERYWHERE
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        if plan.offload_layers >= context.num_blocks:
+        if plan.offload_layers >= context.num_blocks or not context.can_offload:
             return None
         return plan.replace(offload_layers=min(context.num_blocks, max(1, 2 * plan.offload_layers)))
 

@@ -129,7 +129,9 @@ class StepRunner:
         scaler = self.effects.scaler(plan)  # fp16 only; a fresh one per attempt, from the last committed state
         done = False
         try:
-            self.effects.apply(plan, backend)
+            if self.effects.apply(plan, backend):
+                self.transaction.invalidate()  # the step's memory profile changed with the plan
+            self.phase = "split"
             parts, weights = self._parts(batch, size, plan)
             total: torch.Tensor | None = None
             for index, (part, weight) in enumerate(zip(parts, weights, strict=True)):

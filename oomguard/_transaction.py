@@ -59,6 +59,10 @@ class OptimizerTransaction:
         #: How many steps took the journaled path (for tests and diagnostics).
         self.journaled_steps = 0
 
+    def invalidate(self) -> None:
+        """Forget the measured transient memory (the plan changed): the next step is journaled again."""
+        self._bound = None
+
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
 

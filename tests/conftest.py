@@ -25,7 +25,7 @@ def make_llama(seed: int = 0, layers: int = 2, hidden: int = 32) -> torch.nn.Mod
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=512,
         tie_word_embeddings=False,
     )
     model: torch.nn.Module = LlamaForCausalLM(config)

@@ -285,7 +285,7 @@ def test_fatal_device_error_is_not_retried() -> None:
 def test_ladder_exhausted_says_what_was_tried_and_leaves_the_model_unchanged() -> None:
     model = make_mlp(width=256)
     optimizer = torch.optim.AdamW(model.parameters())
-    step = oom_guard(mse_step(model), model=model, optimizer=optimizer)
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=["micro_batch"])
     before = clone_model(model)
     with SimulatedGPU("40KiB") as gpu:
         gpu.adopt(model)

@@ -179,6 +179,7 @@ class SimulatedGPU:
     """
 
     tracks_allocations = True
+    offloads = True
 
     def __init__(self, capacity: int | str, *, name: str = "simulated") -> None:
         #: The budget in bytes.
