@@ -37,12 +37,15 @@ from oomguard._events import (
 from oomguard._guard import GuardSummary, OOMGuard, StepResult
 from oomguard._memory import MemorySnapshot
 from oomguard._plan import Plan
-from oomguard._rungs import MicroBatch, Rung, RungContext
+from oomguard._rungs import ActivationOffload, Amp, Checkpointing, LayerOffload, MicroBatch, Rung, RungContext
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationOffload",
+    "Amp",
     "BatchSplitError",
+    "Checkpointing",
     "Event",
     "ExhaustedEvent",
     "FailureSummary",
@@ -52,6 +55,7 @@ __all__ = [
     "GuardedStep",
     "JsonlSink",
     "LadderExhausted",
+    "LayerOffload",
     "LossError",
     "MemorySnapshot",
     "MicroBatch",

@@ -18,7 +18,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from oomguard._blocks import find_blocks, is_transformers_model
-from oomguard._plan import Checkpointing
+from oomguard._plan import CheckpointingMode
 
 __all__ = ["enable_checkpointing", "user_checkpointing"]
 
@@ -39,7 +39,7 @@ def user_checkpointing(model: torch.nn.Module) -> bool:
     )
 
 
-def enable_checkpointing(model: torch.nn.Module, mode: Checkpointing) -> Callable[[], None]:
+def enable_checkpointing(model: torch.nn.Module, mode: CheckpointingMode) -> Callable[[], None]:
     """Turn checkpointing on in ``mode``; returns the function that puts the model back as it was."""
     every = 1 if mode == "full" else 2
     if is_transformers_model(model):

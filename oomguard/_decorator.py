@@ -92,7 +92,7 @@ def oom_guard(
     max_grad_norm: float | None = None,
     count_items: Callable[[Any], float] | None = None,
     reduction: Reduction = "mean",
-    max_attempts: int = 64,
+    max_attempts: int = 256,
     max_recovery_seconds: float | None = 3600.0,
     sinks: Sequence[EventSink] = (),
     step_journal: JournalMode = "auto",

@@ -16,7 +16,7 @@ import torch
 from oomguard._checkpointing import enable_checkpointing
 from oomguard._memory import MemoryBackend
 from oomguard._offload import ActivationOffloader, LayerOffloader
-from oomguard._plan import Checkpointing, Plan, Precision
+from oomguard._plan import CheckpointingMode, Plan, Precision
 
 __all__ = ["Effects"]
 
@@ -31,7 +31,7 @@ class Effects:
         self.optimizer = optimizer
         self.blocks = blocks
         self._device_type = next(model.parameters()).device.type
-        self._checkpointing: Checkpointing | None = None
+        self._checkpointing: CheckpointingMode | None = None
         self._undo_checkpointing: Callable[[], None] | None = None
         self._layers: LayerOffloader | None = None
         self._scaler_state: dict[str, Any] | None = None

@@ -190,6 +190,12 @@ class CudaMemory:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.name = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+        self._stream: torch.cuda.Stream | None = None  # host<->device copies run here, beside the compute
+
+    def _copy_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        return self._stream
 
     def total_memory(self) -> int | None:
         _, total = torch.cuda.mem_get_info(self.device)
@@ -217,13 +223,26 @@ class CudaMemory:
         return int(free) + cached >= nbytes
 
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if not _fits(tensor, out):
+        # On the copy stream the transfer overlaps the compute that follows. It starts once the work that
+        # produced ``tensor`` is done, and record_stream keeps the allocator from reusing ``tensor``'s memory
+        # before the copy has read it.
+        if out is None or not _fits(tensor, out):
             out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-        assert out is not None
-        return out.copy_(tensor.detach(), non_blocking=True)
+        stream = self._copy_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            out.copy_(tensor.detach(), non_blocking=True)
+        tensor.record_stream(stream)
+        return out
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().to(self.device, non_blocking=True)
+        stream, current = self._copy_stream(), torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            copy = tensor.detach().to(self.device, non_blocking=True)
+        current.wait_stream(stream)  # the compute that uses the copy waits for it, not the host
+        copy.record_stream(current)
+        return copy
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cuda"
@@ -232,6 +251,8 @@ class CudaMemory:
         tensor.untyped_storage().resize_(nbytes)
 
     def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
         torch.cuda.synchronize(self.device)
 
 

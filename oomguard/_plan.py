@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["RUNG_ORDER", "Checkpointing", "Plan", "Precision"]
+__all__ = ["RUNG_ORDER", "CheckpointingMode", "Plan", "Precision"]
 
 Precision = Literal["bf16", "fp16"]
-Checkpointing = Literal["partial", "full"]
+CheckpointingMode = Literal["partial", "full"]
 
 #: The canonical order of rung names, cheapest effect on the training maths first.
 RUNG_ORDER = ("micro_batch", "amp", "checkpointing", "activation_offload", "layer_offload")
@@ -44,7 +44,7 @@ class Plan:
 
     micro_batch_size: int | None = None
     precision: Precision | None = None
-    checkpointing: Checkpointing | None = None
+    checkpointing: CheckpointingMode | None = None
     activation_offload: bool = False
     offload_layers: int = 0
 

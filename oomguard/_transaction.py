@@ -143,6 +143,7 @@ class OptimizerTransaction:
         # Values: host copies of every tensor the step may change in place.
         tensors = self._mutable_tensors(params)
         copies = [backend.to_host(t, self._host.get(id(t))) for t in tensors]
+        backend.synchronize()  # the copies must have read every tensor before the step writes to it
         self._host = {id(t): c for t, c in zip(tensors, copies, strict=True)}
         done = False
         try:
