@@ -158,6 +158,14 @@ def test_state_larger_than_the_device_trains_only_through_layer_offload() -> Non
     assert step.guard.summary().fallbacks["layer_offload"] >= 1
     assert results[-1].loss < results[0].loss
     assert peak <= budget
+    # ...and only through it: every other rung together does not make the step fit.
+    model = make_llama(layers=8, hidden=64)
+    others = ["micro_batch", "amp", "checkpointing", "activation_offload"]
+    step = oom_guard(lambda b: model(**b), model=model, optimizer=torch.optim.AdamW(model.parameters()), ladder=others)
+    with SimulatedGPU(budget) as gpu, pytest.raises(LadderExhausted):
+        gpu.adopt(model)
+        for _ in range(3):
+            step(batch)
 
 
 def test_with_every_layer_offloaded_less_than_the_weights_stays_on_the_device() -> None:
