@@ -32,11 +32,14 @@ from oomguard._events import (
     FallbackEvent,
     JsonlSink,
     OOMEvent,
+    ProgressEvent,
     RecoveredEvent,
+    RelaxEvent,
 )
-from oomguard._guard import GuardSummary, OOMGuard, StepResult
+from oomguard._guard import OOMGuard
 from oomguard._memory import MemorySnapshot
 from oomguard._plan import Plan
+from oomguard._results import GuardSummary, StepResult
 from oomguard._rungs import ActivationOffload, Amp, Checkpointing, LayerOffload, MicroBatch, Rung, RungContext
 
 __version__ = "0.1.0"
@@ -63,8 +66,10 @@ __all__ = [
     "OOMGuard",
     "OOMGuardError",
     "Plan",
+    "ProgressEvent",
     "RecoveredEvent",
     "RecoveryLimitExceeded",
+    "RelaxEvent",
     "Rung",
     "RungContext",
     "StepResult",

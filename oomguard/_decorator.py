@@ -10,7 +10,9 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 
 from oomguard._events import EventSink
-from oomguard._guard import OOMGuard, StepResult
+from oomguard._guard import OOMGuard
+from oomguard._planbook import batch_bucket
+from oomguard._results import StepResult
 from oomguard._rungs import Rung
 from oomguard._step import Reduction
 from oomguard._transaction import JournalMode, Scheduler
@@ -57,6 +59,12 @@ def oom_guard(
     max_recovery_seconds: float | None = ...,
     sinks: Sequence[EventSink] = ...,
     step_journal: JournalMode = ...,
+    state_file: str | Path | None = ...,
+    relax_after: int | None = ...,
+    predictive: bool = ...,
+    bucket: Callable[[Any], int] = ...,
+    log_every: int | None = ...,
+    fix_fragmentation: bool = ...,
 ) -> GuardedStep[BatchT]: ...
 
 
@@ -77,6 +85,12 @@ def oom_guard(
     max_recovery_seconds: float | None = ...,
     sinks: Sequence[EventSink] = ...,
     step_journal: JournalMode = ...,
+    state_file: str | Path | None = ...,
+    relax_after: int | None = ...,
+    predictive: bool = ...,
+    bucket: Callable[[Any], int] = ...,
+    log_every: int | None = ...,
+    fix_fragmentation: bool = ...,
 ) -> Callable[[Callable[[BatchT], Any]], GuardedStep[BatchT]]: ...
 
 
@@ -96,6 +110,12 @@ def oom_guard(
     max_recovery_seconds: float | None = 3600.0,
     sinks: Sequence[EventSink] = (),
     step_journal: JournalMode = "auto",
+    state_file: str | Path | None = None,
+    relax_after: int | None = 200,
+    predictive: bool = True,
+    bucket: Callable[[Any], int] = batch_bucket,
+    log_every: int | None = 10,
+    fix_fragmentation: bool = False,
 ) -> GuardedStep[BatchT] | Callable[[Callable[[BatchT], Any]], GuardedStep[BatchT]]:
     """Guard a forward-only training step against out-of-memory errors.
 
@@ -122,6 +142,17 @@ def oom_guard(
         sinks: callables that receive every event object.
         step_journal: ``"auto"`` journals optimizer steps that may not fit (the first, and any without
             headroom) so a failure can be undone; ``"always"`` journals every step; ``"never"`` none.
+        state_file: remember each batch bucket's plan in this JSON file (written atomically on every change),
+            so a restart starts on the plans that fitted. Missing, corrupt or foreign files are ignored.
+        relax_after: after this many consecutive clean steps on a degraded plan, try the plan one rung up once;
+            if it runs out of memory, go back and wait twice as long before the next try. ``None``: never.
+        predictive: size micro-batches from the measured peaks of successful steps instead of halving blindly.
+        bucket: maps a batch to its bucket (plans are kept per bucket); default: its largest tensor's element
+            count rounded up to a power of two, so a rare long batch escalates only its own bucket.
+        log_every: write a ``progress`` event (loss, plan, peak, steps per rung) every this many steps, for
+            ``oomguard report``; ``None``: only OOM-related events.
+        fix_fragmentation: when an OOM shows allocator fragmentation on CUDA, switch the allocator to
+            ``expandable_segments:True`` (otherwise the event only recommends it).
 
     Returns:
         A :class:`GuardedStep`: call it with a batch to get a :class:`StepResult`; ``.guard`` is the
@@ -150,6 +181,12 @@ def oom_guard(
         "max_recovery_seconds": max_recovery_seconds,
         "sinks": sinks,
         "step_journal": step_journal,
+        "state_file": state_file,
+        "relax_after": relax_after,
+        "predictive": predictive,
+        "bucket": bucket,
+        "log_every": log_every,
+        "fix_fragmentation": fix_fragmentation,
     }
 
     def decorate(step_fn: Callable[[BatchT], Any]) -> GuardedStep[BatchT]:

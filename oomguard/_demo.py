@@ -20,8 +20,8 @@ import torch
 
 from oomguard._data import VOCAB_SIZE, stdlib_text, text_batches
 from oomguard._decorator import oom_guard
-from oomguard._guard import StepResult
 from oomguard._memory import current_backend, format_bytes
+from oomguard._results import StepResult
 from oomguard.testing import SimulatedGPU, parse_bytes
 
 __all__ = ["DemoConfig", "add_arguments", "run"]

@@ -26,7 +26,9 @@ __all__ = [
     "FallbackEvent",
     "JsonlSink",
     "OOMEvent",
+    "ProgressEvent",
     "RecoveredEvent",
+    "RelaxEvent",
 ]
 
 logger = logging.getLogger("oomguard")
@@ -91,12 +93,22 @@ class OOMEvent(Event):
     rung: str | None  # the last rung engaged in the failing plan, if any
     error: FailureSummary
     memory_after_recovery: MemorySnapshot
+    seconds: float = 0.0  # spent on the failed attempt
+    #: NVML figures (device total/used/free, other processes) and fragmentation evidence, where available.
+    telemetry: dict[str, Any] | None = None
 
     def describe(self) -> str:
-        return (
+        text = (
             f"step {self.step}: {self.error.describe()} on attempt {self.attempt} "
             f"({self.error.memory.describe()}); freed back to {format_bytes(self.memory_after_recovery.allocated)}"
         )
+        fragmented = (self.telemetry or {}).get("fragmentation")
+        if fragmented:
+            text += (
+                f"; the allocator looks fragmented ({format_bytes(fragmented['reserved_not_allocated'])} reserved "
+                f"but unused, {fragmented['new_retries']} new cudaMalloc retries): {fragmented['recommendation']}"
+            )
+        return text
 
 
 @dataclass(frozen=True)
@@ -134,6 +146,43 @@ class RecoveredEvent(Event):
 
 
 @dataclass(frozen=True)
+class RelaxEvent(Event):
+    """After clean steps the guard tried the cheaper ``plan`` once; ``outcome`` is ``"held"`` or ``"failed"``.
+
+    On ``"failed"`` the call went back to ``previous_plan`` and the next try waits ``next_try_after`` steps.
+    """
+
+    kind: ClassVar[str] = "relax"
+    rung: str  # the rung given back
+    previous_plan: dict[str, Any]
+    outcome: str
+    next_try_after: int
+    description: str
+
+    def describe(self) -> str:
+        verdict = (
+            "it fits" if self.outcome == "held" else f"out of memory, back; next try in {self.next_try_after} steps"
+        )
+        return f"step {self.step}: stepping back up ({self.rung}): {self.description}: {verdict}"
+
+
+@dataclass(frozen=True)
+class ProgressEvent(Event):
+    """Every ``log_every`` steps: the step's loss, plan and peak, and the steps spent on each rung so far."""
+
+    kind: ClassVar[str] = "progress"
+    loss: float
+    bucket: int
+    steps_by_rung: dict[str, int]
+
+    def describe(self) -> str:
+        return (
+            f"step {self.step}: loss {self.loss:.4f}, peak {format_bytes(self.memory.peak)} of "
+            f"{format_bytes(self.memory.capacity)}"
+        )
+
+
+@dataclass(frozen=True)
 class ExhaustedEvent(Event):
     """The guard gave up on the batch (``reason`` is ``"ladder"``, ``"attempts"`` or ``"time"``)."""
 
@@ -164,6 +213,6 @@ class JsonlSink:
 
 
 def log_event(event: Event) -> None:
-    """One readable line on the ``oomguard`` logger."""
-    level = {"oom": logging.WARNING, "fallback": logging.WARNING, "exhausted": logging.ERROR}
+    """One readable line on the ``oomguard`` logger (progress lines at DEBUG)."""
+    level = {"oom": logging.WARNING, "fallback": logging.WARNING, "exhausted": logging.ERROR, "progress": logging.DEBUG}
     logger.log(level.get(event.kind, logging.INFO), "%s", event.describe())

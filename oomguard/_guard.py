@@ -3,7 +3,8 @@
 The loop itself is tenacity's: an attempt either returns a :class:`StepResult` or a small failure record (the
 exception and its frames are already dropped, so nothing of the failed attempt stays alive); tenacity's
 ``after`` hook frees memory and picks the next plan; its stop condition is the exhausted ladder or a bound on
-attempts and time.
+attempts and time. Which plan a call starts from — per batch bucket, stepping back up after clean steps,
+sized by measured peaks, remembered across restarts — is the plan book's business.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from oomguard._batch import batch_size, default_item_counter
 from oomguard._blocks import find_blocks
 from oomguard._checkpointing import user_checkpointing
+from oomguard._config import check_optional_positive_int, validate
 from oomguard._detect import is_oom
 from oomguard._effects import Effects
 from oomguard._errors import GuardConfigError, LadderExhausted, OOMGuardError, RecoveryLimitExceeded
@@ -34,65 +36,26 @@ from oomguard._events import (
     FallbackEvent,
     JsonlSink,
     OOMEvent,
+    ProgressEvent,
     RecoveredEvent,
+    RelaxEvent,
     log_event,
     logger,
 )
 from oomguard._memory import MemoryBackend, MemorySnapshot, current_backend, format_bytes, snapshot
-from oomguard._plan import Plan
+from oomguard._persist import PlanStore, model_fingerprint
+from oomguard._plan import RUNG_ORDER, Plan
+from oomguard._planbook import Choice, PlanBook, batch_bucket, grad_bytes, items_per_sample
+from oomguard._predict import PeakModel
+from oomguard._results import GuardSummary, StepResult
 from oomguard._rungs import Rung, RungContext, bf16_supported, resolve_ladder
 from oomguard._step import Reduction, StepRunner
+from oomguard._telemetry import apply_expandable_segments
 from oomguard._transaction import JournalMode, OptimizerTransaction, Scheduler
 
-__all__ = ["GuardSummary", "OOMGuard", "StepResult"]
+__all__ = ["OOMGuard"]
 
 _EVENTS_KEPT = 10_000  # in memory; the log file keeps everything
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one guarded call did.
-
-    ``loss`` is the whole batch's loss (weighted exactly across micro-batches); ``rungs`` names the rungs in
-    effect for this step (``"micro_batch"`` only when the batch was split); ``ooms`` counts the out-of-memory
-    errors caught during this call.
-    """
-
-    loss: float
-    micro_batch_size: int
-    rungs: tuple[str, ...]
-    ooms: int
-    step: int
-    batch_size: int
-    micro_batches: int
-    plan: Plan
-    grad_norm: float | None = None
-    seconds_lost: float = 0.0
-
-
-@dataclass(frozen=True)
-class GuardSummary:
-    """Which fallbacks a guard needed, and how often. ``str()`` gives a readable paragraph."""
-
-    steps: int
-    ooms: int
-    fallbacks: dict[str, int]
-    recovered_steps: int
-    exhausted: int
-    seconds_lost: float
-    plan: Plan
-
-    def __str__(self) -> str:
-        if not self.ooms:
-            return f"{self.steps} steps, no out-of-memory error: no fallback was needed."
-        needed = ", ".join(f"{name} x{count}" for name, count in self.fallbacks.items()) or "none"
-        lines = [
-            f"{self.steps} steps, {self.ooms} out-of-memory error(s) caught, {self.recovered_steps} step(s) "
-            f"recovered, {self.exhausted} given up; {self.seconds_lost:.1f} s spent on failed attempts.",
-            f"Fallbacks needed: {needed}.",
-            f"Current plan: {self.plan.describe()}.",
-        ]
-        return "\n".join(lines)
 
 
 @dataclass(eq=False)
@@ -102,6 +65,7 @@ class _Failed:
     plan: Plan
     summary: FailureSummary
     seconds: float
+    base: int  # allocated when the attempt began
 
 
 @dataclass(eq=False)
@@ -111,9 +75,13 @@ class _Call:
     batch: Any
     size: int
     backend: MemoryBackend
+    choice: Choice
+    plan: Plan
+    items_per_sample: float
     tried: list[tuple[Plan, FailureSummary]] = field(default_factory=list)
     seconds_lost: float = 0.0
     exhausted: bool = False
+    started: float = field(default_factory=time.monotonic)
 
 
 def _flush_autograd_queue(device: torch.device) -> None:
@@ -132,6 +100,18 @@ def _flush_autograd_queue(device: torch.device) -> None:
 
 def _no_sleep(_: float) -> None:
     return None
+
+
+_FIELDS = {"amp": "precision", "checkpointing": "checkpointing", "activation_offload": "activation_offload"}
+
+
+def _given_back(previous: Plan, cheaper: Plan) -> str:
+    """The rung a relaxation gives back (``micro_batch`` when only the micro-batches grew)."""
+    for name in reversed(RUNG_ORDER[1:]):
+        attribute = _FIELDS.get(name, "offload_layers")
+        if getattr(previous, attribute) != getattr(cheaper, attribute):
+            return str(name)
+    return "micro_batch"
 
 
 class OOMGuard:
@@ -157,10 +137,18 @@ class OOMGuard:
         max_recovery_seconds: float | None = 3600.0,
         sinks: Sequence[EventSink] = (),
         step_journal: JournalMode = "auto",
+        state_file: str | Path | None = None,
+        relax_after: int | None = 200,
+        predictive: bool = True,
+        bucket: Callable[[Any], int] = batch_bucket,
+        log_every: int | None = 10,
+        fix_fragmentation: bool = False,
     ) -> None:
-        _validate(model, optimizer, scheduler, max_grad_norm, reduction, max_attempts, max_recovery_seconds)
+        validate(model, optimizer, scheduler, max_grad_norm, reduction, max_attempts, max_recovery_seconds)
         if step_journal not in ("auto", "always", "never"):
             raise GuardConfigError(f"step_journal must be 'auto', 'always' or 'never', got {step_journal!r}")
+        check_optional_positive_int("relax_after", relax_after)
+        check_optional_positive_int("log_every", log_every)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -188,11 +176,19 @@ class OOMGuard:
         )
         self._sinks: list[EventSink] = [JsonlSink(log_file)] if log_file is not None else []
         self._sinks.extend(sinks)
-        self._plan = Plan()
+        self._book = PlanBook(relax_after, PeakModel() if predictive else None)
+        self._state_file = state_file
+        self._bucket = bucket
+        self._log_every = log_every
+        self._fix_fragmentation = fix_fragmentation
+        self._grad_bytes = grad_bytes(model)
+        self._last_plan = Plan()
         self._plan_rung: str | None = None
         self._steps = 0
         self._events: collections.deque[Event] = collections.deque(maxlen=_EVENTS_KEPT)
         self._fallbacks: collections.Counter[str] = collections.Counter()
+        self._steps_by_rung: collections.Counter[str] = collections.Counter()
+        self._relaxations = [0, 0]
         self._ooms = 0
         self._recovered = 0
         self._exhausted = 0
@@ -214,14 +210,20 @@ class OOMGuard:
     # -- public state -----------------------------------------------------------------------------------
     @property
     def plan(self) -> Plan:
-        """The plan the next call starts from. Assign a :class:`Plan` to start from a known one."""
-        return self._plan
+        """The plan of the last call (its batch bucket's plan). Assign a :class:`Plan` to start every bucket on it."""
+        return self._last_plan
 
     @plan.setter
     def plan(self, plan: Plan) -> None:
         if not isinstance(plan, Plan):
             raise GuardConfigError(f"guard.plan takes an oomguard.Plan, got {type(plan).__name__}")
-        self._plan, self._plan_rung = plan, None
+        self._book.reset(plan)
+        self._last_plan, self._plan_rung = plan, None
+
+    @property
+    def plans(self) -> dict[int, Plan]:
+        """The plan of every batch bucket seen so far (and those loaded from the state file)."""
+        return self._book.plans()
 
     @property
     def steps(self) -> int:
@@ -249,21 +251,35 @@ class OOMGuard:
             recovered_steps=self._recovered,
             exhausted=self._exhausted,
             seconds_lost=self._seconds_lost,
-            plan=self._plan,
+            plan=self._last_plan,
+            relaxations=(self._relaxations[0], self._relaxations[1]),
+            steps_by_rung=dict(self._steps_by_rung),
         )
 
     # -- the loop ---------------------------------------------------------------------------------------
     def __call__(self, batch: Any) -> StepResult:
         """Train on ``batch``: one optimizer step, however many attempts and micro-batches it takes."""
         size = batch_size(batch)  # raises BatchSplitError for a batch that could never be split
-        call = _Call(batch=batch, size=size, backend=current_backend(self._device))
+        backend = current_backend(self._device)
+        if self._state_file is not None and self._book.store is None:
+            self._book.load(PlanStore(self._state_file, model_fingerprint(self.model), backend.identity()))
+        per_sample = items_per_sample(batch, size)
+        choice = self._book.choose(self._bucket(batch), size, lambda plan: self._predict(plan, backend, per_sample))
+        call = _Call(batch, size, backend, choice, choice.plan, per_sample)
         result = self._retrying(self._attempt, call)
         if not isinstance(result, StepResult):  # tenacity returns a failure only through _give_up, which raises
             raise AssertionError(f"unexpected attempt outcome {result!r}")
         return result
 
+    def _predict(self, plan: Plan, backend: MemoryBackend, per_sample: float) -> int | None:
+        """The largest micro-batch the peak model predicts for ``plan`` on ``backend`` now, if it can tell."""
+        predictor, capacity = self._book.predictor, backend.total_memory()
+        if predictor is None or capacity is None or not backend.tracks_allocations:
+            return None
+        return predictor.max_micro_batch(plan, capacity, backend.memory_allocated(), per_sample, self._grad_bytes)
+
     def _attempt(self, call: _Call) -> StepResult | _Failed:
-        plan = self._plan
+        plan = call.plan
         started = time.perf_counter()
         try:
             output = self._runner.run(call.batch, call.size, plan, call.backend)
@@ -276,10 +292,16 @@ class OOMGuard:
                 exc, self._runner.phase, self._runner.micro_batch, snapshot(call.backend)
             )
         else:
-            return self._succeed(call, plan, output.loss, output.grad_norm, output.micro_batches)
-        return _Failed(plan, summary, time.perf_counter() - started)
+            predictor = self._book.predictor
+            if predictor is not None and call.backend.tracks_allocations:
+                items = round(output.micro_batch_size * call.items_per_sample)
+                predictor.record_success(plan, items, output.peak - output.base, self._grad_bytes)
+            return self._succeed(call, plan, output.loss, output.grad_norm, output.micro_batches, output.peak)
+        return _Failed(plan, summary, time.perf_counter() - started, self._runner.base)
 
-    def _succeed(self, call: _Call, plan: Plan, loss: float, grad_norm: float | None, micro_batches: int) -> StepResult:
+    def _succeed(
+        self, call: _Call, plan: Plan, loss: float, grad_norm: float | None, micro_batches: int, peak: int
+    ) -> StepResult:
         step = self._steps
         self._steps += 1
         ooms = len(call.tried)
@@ -295,6 +317,13 @@ class OOMGuard:
             grad_norm=grad_norm,
             seconds_lost=call.seconds_lost,
         )
+        self._last_plan = plan
+        self._steps_by_rung.update(result.rungs or ("none",))
+        choice = call.choice
+        self._book.succeeded(choice, plan)
+        if choice.relaxing and plan == choice.plan:
+            self._relaxations[0] += 1
+            self._emit_relax(call, "held")
         if ooms:
             self._recovered += 1
             self._emit(
@@ -308,7 +337,26 @@ class OOMGuard:
                     description=plan.describe(call.size),
                 )
             )
+        if self._log_every is not None and (step % self._log_every == 0 or ooms):
+            memory = dataclasses.replace(snapshot(call.backend), peak=peak)
+            self._emit(ProgressEvent(step, plan.to_dict(), memory, loss, choice.bucket, dict(self._steps_by_rung)))
         return result
+
+    def _emit_relax(self, call: _Call, outcome: str) -> None:
+        choice = call.choice
+        assert choice.fallback is not None
+        self._emit(
+            RelaxEvent(
+                step=self._steps - (outcome == "held"),
+                plan=choice.plan.to_dict(),
+                memory=snapshot(call.backend),
+                rung=_given_back(choice.fallback, choice.plan),
+                previous_plan=choice.fallback.to_dict(),
+                outcome=outcome,
+                next_try_after=self._book.next_try_after(choice.bucket),
+                description=f"{choice.fallback.describe(call.size)} -> {choice.plan.describe(call.size)}",
+            )
+        )
 
     def _recover(self, retry_state: tenacity.RetryCallState) -> None:
         """After a failed attempt: free what it held, log it, and move one rung down."""
@@ -326,6 +374,9 @@ class OOMGuard:
         call.seconds_lost += failed.seconds
         self._ooms += 1
         self._seconds_lost += failed.seconds
+        telemetry = call.backend.telemetry(failed.summary.requested_bytes)
+        if self._fix_fragmentation and telemetry and telemetry.get("fragmentation"):
+            apply_expandable_segments()
         self._emit(
             OOMEvent(
                 step=self._steps,
@@ -335,17 +386,29 @@ class OOMGuard:
                 rung=self._plan_rung,
                 error=failed.summary,
                 memory_after_recovery=freed,
+                seconds=failed.seconds,
+                telemetry=telemetry,
             )
         )
+        self._learn_from_failure(call, failed)
+        if call.choice.relaxing and failed.plan == call.choice.plan:  # the try at a cheaper plan: go back
+            call.plan = self._book.relax_failed(call.choice)
+            self._relaxations[1] += 1
+            self._emit_relax(call, "failed")
+            return
         context = dataclasses.replace(
-            self._rung_context, batch_size=call.size, phase=failed.summary.phase, can_offload=call.backend.offloads
+            self._rung_context,
+            batch_size=call.size,
+            phase=failed.summary.phase,
+            can_offload=call.backend.offloads,
+            max_micro_batch=self._predict(failed.plan, call.backend, call.items_per_sample),
         )
         cheaper = self.ladder.next(failed.plan, context)
         if cheaper is None:
             call.exhausted = True
             return
         rung, plan = cheaper
-        self._plan, self._plan_rung = plan, rung.name
+        call.plan, self._plan_rung = plan, rung.name
         self._fallbacks[rung.name] += 1
         self._emit(
             FallbackEvent(
@@ -358,6 +421,13 @@ class OOMGuard:
                 description=f"{failed.plan.describe(call.size)} -> {plan.describe(call.size)}",
             )
         )
+
+    def _learn_from_failure(self, call: _Call, failed: _Failed) -> None:
+        predictor, capacity = self._book.predictor, call.backend.total_memory()
+        if predictor is None or capacity is None or not call.backend.tracks_allocations:
+            return
+        items = round(failed.plan.effective_micro_batch_size(call.size) * call.items_per_sample)
+        predictor.record_failure(failed.plan, items, capacity, failed.base, self._grad_bytes)
 
     def _give_up(self, retry_state: tenacity.RetryCallState) -> StepResult:
         call: _Call = retry_state.args[0]
@@ -373,7 +443,7 @@ class OOMGuard:
         self._emit(
             ExhaustedEvent(
                 step=self._steps,
-                plan=self._plan.to_dict(),
+                plan=call.plan.to_dict(),
                 memory=memory,
                 reason=reason,
                 ooms=len(call.tried),
@@ -430,42 +500,3 @@ class _StopIfExhausted(tenacity.stop.stop_base):
 
 
 _stop_if_exhausted = _StopIfExhausted()
-
-
-def _validate(
-    model: Any,
-    optimizer: Any,
-    scheduler: Any,
-    max_grad_norm: float | None,
-    reduction: str,
-    max_attempts: int,
-    max_recovery_seconds: float | None,
-) -> None:
-    if not isinstance(model, torch.nn.Module):
-        raise GuardConfigError(f"model= must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise GuardConfigError(f"optimizer= must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    model_params = {id(p) for p in model.parameters()}
-    if not model_params:
-        raise GuardConfigError(
-            f"the model ({type(model).__name__}) has no parameters, so there is nothing to train or guard"
-        )
-    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in model_params)
-    if foreign:
-        raise GuardConfigError(
-            f"the optimizer holds {foreign} parameter(s) that are not the model's: build it over "
-            f"model.parameters() (the guard drops and recomputes the model's gradients on every retry)"
-        )
-    if scheduler is not None:
-        if not callable(getattr(scheduler, "step", None)):
-            raise GuardConfigError(f"scheduler= needs a .step() method, got {type(scheduler).__name__}")
-        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
-            raise GuardConfigError("scheduler= was built over a different optimizer than optimizer=")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise GuardConfigError(f"max_grad_norm must be positive (or None to disable clipping), got {max_grad_norm!r}")
-    if reduction not in ("mean", "sum"):
-        raise GuardConfigError(f"reduction must be 'mean' or 'sum' (how the step's loss reduces), got {reduction!r}")
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        raise GuardConfigError(f"max_attempts must be an int >= 1, got {max_attempts!r}")
-    if max_recovery_seconds is not None and not max_recovery_seconds > 0:
-        raise GuardConfigError(f"max_recovery_seconds must be positive or None, got {max_recovery_seconds!r}")

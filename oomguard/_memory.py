@@ -108,6 +108,18 @@ class MemoryBackend(Protocol):
         """Wait for copies started by ``to_host`` to finish."""
         ...
 
+    def reset_peak_memory_stats(self) -> None:
+        """Start measuring the peak again from the current usage (the guard does so at each attempt)."""
+        ...
+
+    def identity(self) -> str:
+        """What a remembered plan depends on: the device's kind, name and total memory."""
+        ...
+
+    def telemetry(self, requested: int | None) -> dict[str, Any] | None:
+        """Extra figures for an OOM event (NVML, fragmentation); None where there are none."""
+        ...
+
 
 def snapshot(backend: MemoryBackend) -> MemorySnapshot:
     """The backend's figures now."""
@@ -180,6 +192,15 @@ class CpuMemory:
     def synchronize(self) -> None:
         return None
 
+    def reset_peak_memory_stats(self) -> None:
+        return None
+
+    def identity(self) -> str:
+        return f"cpu:{self.total_memory()}"
+
+    def telemetry(self, requested: int | None) -> dict[str, Any] | None:
+        return None
+
 
 class CudaMemory:
     """A CUDA device, read through ``torch.cuda``."""
@@ -191,6 +212,7 @@ class CudaMemory:
         self.device = device
         self.name = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
         self._stream: torch.cuda.Stream | None = None  # host<->device copies run here, beside the compute
+        self._retries_seen = 0  # the allocator's cudaMalloc retries at the last OOM
 
     def _copy_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -254,6 +276,23 @@ class CudaMemory:
         if self._stream is not None:
             self._stream.synchronize()
         torch.cuda.synchronize(self.device)
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def identity(self) -> str:
+        return f"{torch.cuda.get_device_name(self.device)}:{self.total_memory()}"
+
+    def telemetry(self, requested: int | None) -> dict[str, Any] | None:
+        from oomguard._telemetry import fragmentation, nvml_snapshot
+
+        stats = torch.cuda.memory_stats(self.device)
+        retries, self._retries_seen = self._retries_seen, int(stats.get("num_alloc_retries", 0))
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return {
+            "nvml": nvml_snapshot(index),
+            "fragmentation": fragmentation(stats, retries, self.total_memory(), requested),
+        }
 
 
 def _fits(tensor: torch.Tensor, out: torch.Tensor | None) -> bool:

@@ -31,6 +31,7 @@ __all__ = [
     "MicroBatch",
     "Rung",
     "RungContext",
+    "relax",
     "resolve_ladder",
 ]
 
@@ -50,6 +51,8 @@ class RungContext:
     can_offload: bool = True
     #: Whether the user already checkpoints every block (the checkpointing rung has nothing to add).
     checkpointed: bool = False
+    #: The largest micro-batch predicted to fit on the failing configuration (predictive sizing), if known.
+    max_micro_batch: int | None = None
 
 
 _ACTIVATIONS = frozenset({"split", "forward", "backward"})
@@ -83,7 +86,10 @@ class MicroBatch:
         current = plan.effective_micro_batch_size(context.batch_size)
         if current <= self.min_size:
             return None
-        return plan.replace(micro_batch_size=max(self.min_size, -(-current // 2)))
+        target = -(-current // 2)
+        if context.max_micro_batch is not None:  # jump past halvings the peak model says cannot fit
+            target = min(target, context.max_micro_batch)
+        return plan.replace(micro_batch_size=max(self.min_size, target))
 
 
 @dataclass(frozen=True)
@@ -179,6 +185,36 @@ class Ladder:
         if not isinstance(rung, MicroBatch) and "micro_batch" in self.names:
             cheaper = cheaper.replace(micro_batch_size=None)  # a deeper rung may let larger micro-batches fit
         return rung, cheaper
+
+
+def relax(plan: Plan, batch_size: int, min_micro_batch: int = 1) -> Plan | None:
+    """One step back up the ladder: the plan tried just before ``plan``; None for the plan of a whole batch.
+
+    The reverse of escalation: first the micro-batches grow back (doubling) to the whole batch; then the
+    deepest engaged rung is undone (fewer offloaded layers, then activation offload, then checkpointing, then
+    amp), at the smallest micro-batch, as the ladder had it before that rung engaged.
+
+    >>> relax(Plan(micro_batch_size=2), 8), relax(Plan(micro_batch_size=4), 8)
+    (Plan(micro_batch_size=4, ...), Plan(micro_batch_size=None, ...))
+    >>> relax(Plan(precision="bf16"), 8)
+    Plan(micro_batch_size=1, precision=None, ...)
+    """
+    current = plan.effective_micro_batch_size(batch_size)
+    if current < batch_size:
+        doubled = 2 * current
+        return plan.replace(micro_batch_size=None if doubled >= batch_size else doubled)
+    smallest = min(min_micro_batch, batch_size)
+    if plan.offload_layers:
+        return plan.replace(offload_layers=plan.offload_layers // 2, micro_batch_size=smallest)
+    if plan.activation_offload:
+        return plan.replace(activation_offload=False, micro_batch_size=smallest)
+    if plan.checkpointing is not None:
+        return plan.replace(
+            checkpointing="partial" if plan.checkpointing == "full" else None, micro_batch_size=smallest
+        )
+    if plan.precision is not None:
+        return plan.replace(precision=None, micro_batch_size=smallest)
+    return None
 
 
 def resolve_ladder(spec: Iterable[str | Rung] | None) -> Ladder:

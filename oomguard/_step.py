@@ -69,6 +69,8 @@ class AttemptOutput:
     grad_norm: float | None
     micro_batches: int
     micro_batch_size: int
+    base: int  # device memory allocated when the attempt began
+    peak: int  # the attempt's peak device memory
 
 
 class StepRunner:
@@ -99,6 +101,7 @@ class StepRunner:
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.phase = "forward"
         self.micro_batch = 0
+        self.base = 0
 
     def zero_grad(self) -> None:
         """Drop every gradient (set to None, so their memory is freed)."""
@@ -126,6 +129,8 @@ class StepRunner:
         """
         self.phase, self.micro_batch = "apply", 0
         self.zero_grad()
+        backend.reset_peak_memory_stats()  # so the peak read at the end is this attempt's
+        self.base = backend.memory_allocated()
         scaler = self.effects.scaler(plan)  # fp16 only; a fresh one per attempt, from the last committed state
         done = False
         try:
@@ -160,7 +165,8 @@ class StepRunner:
             loss_value = float(total) if total is not None else float("nan")
             self.zero_grad()
             done = True
-            return AttemptOutput(loss_value, grad_norm, len(parts), plan.effective_micro_batch_size(size))
+            micro = plan.effective_micro_batch_size(size)
+            return AttemptOutput(loss_value, grad_norm, len(parts), micro, self.base, backend.max_memory_allocated())
         finally:
             if not done:
                 self.effects.reset()

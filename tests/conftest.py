@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 
@@ -77,3 +78,8 @@ def clone_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def first_event(events: list[Any], kind: str) -> Any:
+    """The first event of ``kind`` (progress events interleave with the others)."""
+    return next(event for event in events if event.kind == kind)

@@ -26,7 +26,9 @@ def test_demo_recovers_and_reports_its_fallbacks(tmp_path: Path) -> None:
     assert "[oomguard] step 0: OOM in" in err.getvalue(), "event lines are shown as they happen"
     events = [json.loads(line) for line in log.read_text().splitlines()]
     assert events[0]["event"] == "oom" and events[0]["memory"]["capacity"] == 64 * 2**20
-    assert events[-1]["event"] == "recovered"
+    assert [e["event"] for e in events if e["event"] != "progress"][-1] == "recovered"
+    progress = [e for e in events if e["event"] == "progress"]
+    assert progress and progress[0]["steps_by_rung"] == {"micro_batch": 1}
 
 
 def test_cli_entry_points_answer_help() -> None:

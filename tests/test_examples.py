@@ -25,4 +25,4 @@ def test_plain_loop_example_trains_and_recovers(tmp_path: Path, monkeypatch: pyt
     loss = _load("plain_loop").main(steps=2)
     assert math.isfinite(loss)
     events = [json.loads(line)["event"] for line in (tmp_path / "plain_loop.jsonl").read_text().splitlines()]
-    assert "fallback" in events and events[-1] == "recovered"
+    assert "fallback" in events and "recovered" in events

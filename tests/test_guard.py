@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import RecordingSGD, clone_model, make_mlp, mse_step, same_weights, tuple_batch
+from conftest import RecordingSGD, clone_model, first_event, make_mlp, mse_step, same_weights, tuple_batch
 
 from oomguard import (
     GuardConfigError,
@@ -165,7 +165,7 @@ def test_oom_in_first_adam_step_leaves_no_half_built_state() -> None:
         optimizer.register_step_pre_hook(arm_fault_inside_state_creation)
         result = step(tuple_batch())
     assert result.ooms == 1
-    assert step.guard.events[0].error.phase == "optimizer"  # type: ignore[attr-defined]
+    assert first_event(step.guard.events, "oom").error.phase == "optimizer"
     assert len(calls) == 2, "the optimizer step ran once, failed, and ran once more"
     assert [int(optimizer.state[p]["step"]) for p in model.parameters()] == [1, 1, 1, 1]
     ref_optimizer.zero_grad()
@@ -200,7 +200,7 @@ def test_oom_in_a_later_adam_step_is_undone_before_the_retry() -> None:
         result = step(batches[2])
         step(batches[3])
     assert result.ooms == 1
-    assert step.guard.events[0].error.phase == "optimizer"  # type: ignore[attr-defined]
+    assert first_event(step.guard.events, "oom").error.phase == "optimizer"
     assert step.guard.transaction.journaled_steps == journaled + 1, "the faulty step ran journaled"
     for batch in batches:
         ref_optimizer.zero_grad()
@@ -331,7 +331,7 @@ def test_a_real_cpu_allocator_oom_is_recovered() -> None:
 
     result = step(tuple_batch(n=8))
     assert (result.micro_batch_size, result.ooms) == (2, 2)
-    oom = step.guard.events[0]
+    oom = first_event(step.guard.events, "oom")
     assert "DefaultCPUAllocator" in oom.error.message  # type: ignore[attr-defined]
     assert oom.error.requested_bytes == 2**50  # type: ignore[attr-defined]
 
@@ -353,15 +353,17 @@ def test_events_are_json_lines_and_one_log_line_each(tmp_path: Any, caplog: pyte
         step(tuple_batch(n=64))  # the learned plan fits: no event
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     kinds = [line["event"] for line in lines]
-    assert kinds == ["oom", "fallback"] * result.ooms + ["recovered"]
+    assert kinds == ["oom", "fallback"] * result.ooms + ["recovered", "progress"]
     for line in lines:
         assert {"event", "step", "plan", "memory", "time"} <= line.keys()
         assert line["step"] == 0
         assert line["memory"]["capacity"] == 128 * 1024
     assert lines[1]["rung"] == "micro_batch"
     assert lines[0]["error"]["phase"] in ("forward", "backward")
-    assert lines[-1]["rungs"] == ["micro_batch"]
-    assert [r.getMessage() for r in caplog.records] == [e.describe() for e in step.guard.events]
+    assert lines[-2]["rungs"] == ["micro_batch"]
+    assert lines[-1]["steps_by_rung"] == {"micro_batch": 1}
+    # One line each on the oomguard logger (progress lines at DEBUG, below this capture's level).
+    assert [r.getMessage() for r in caplog.records] == [e.describe() for e in step.guard.events if e.kind != "progress"]
     assert received == step.guard.events
     summary = step.guard.summary()
     assert (summary.steps, summary.ooms, summary.fallbacks) == (2, result.ooms, {"micro_batch": result.ooms})

@@ -247,6 +247,14 @@ class SimulatedGPU:
     def synchronize(self) -> None:
         return None
 
+    def identity(self) -> str:
+        """``"SimulatedGPU:<capacity>"``: plans remembered on one simulated size do not apply to another."""
+        return f"SimulatedGPU:{self.capacity}"
+
+    def telemetry(self, requested: int | None) -> dict[str, Any] | None:
+        """The simulator has no NVML and no caching allocator to fragment."""
+        return None
+
     # -- fault injection and reservations ---------------------------------------------------------------
     def fail_allocation(self, n: int = 1) -> None:
         """Make the ``n``-th device allocation from now raise an out-of-memory error, once.

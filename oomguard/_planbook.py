@@ -1,0 +1,179 @@
+"""The plan book: which plan each kind of batch runs on, and how that changes over a long job.
+
+* **Buckets.** Batches are grouped by size (:func:`batch_bucket`), and each bucket keeps its own plan, so one
+  rare oversized batch escalates only its own bucket while normal batches keep running whole. A bucket seen for
+  the first time starts from the plan of the nearest smaller bucket (it needs at least as much), resized by the
+  peak model when it has data.
+* **Stepping back up.** After ``relax_after`` consecutive clean steps on a degraded plan, the next call tries
+  the plan one rung up (:func:`~oomguard._rungs.relax`) once. If it fits, it is kept; if it runs out of memory,
+  the same call falls back to the plan that worked and the wait before the next try doubles, so the guard never
+  thrashes. Memory freed by another process is reclaimed this way.
+* **Predictive sizing** (:class:`~oomguard._predict.PeakModel`): micro-batch sizes come from measured peaks
+  where there are any, instead of halving or doubling blindly.
+* **Persistence** (:class:`~oomguard._persist.PlanStore`): every change is written to the state file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from oomguard._persist import PlanStore
+from oomguard._plan import Plan
+from oomguard._predict import PeakModel
+from oomguard._rungs import relax
+
+__all__ = ["Choice", "PlanBook", "batch_bucket", "items_per_sample"]
+
+
+def _largest_numel(batch: Any) -> int:
+    from oomguard._batch import _leaves
+
+    return max((tensor.numel() for _, tensor in _leaves(batch)), default=0)
+
+
+def batch_bucket(batch: Any) -> int:
+    """The bucket of a batch: its largest tensor's element count rounded up to a power of two.
+
+    >>> batch_bucket({"input_ids": torch.zeros(16, 256)}), batch_bucket({"input_ids": torch.zeros(16, 300)})
+    (4096, 8192)
+    """
+    numel = _largest_numel(batch)
+    return 1 << max(0, numel - 1).bit_length()
+
+
+def items_per_sample(batch: Any, size: int) -> float:
+    """Elements of the largest tensor per sample (tokens per sequence for a language model)."""
+    return _largest_numel(batch) / max(1, size)
+
+
+@dataclass
+class _Bucket:
+    plan: Plan
+    wait: int  # clean steps to wait before the next try at a cheaper plan
+    clean: int = 0  # consecutive clean steps on ``plan``
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The plan for one call, and whether it is a one-off try at a cheaper plan than the bucket's."""
+
+    bucket: int
+    plan: Plan
+    relaxing: bool = False
+    fallback: Plan | None = None  # the bucket's plan, to return to if the try fails
+
+
+class PlanBook:
+    """Plans per bucket, with stepping back up, predictive sizing and persistence."""
+
+    def __init__(self, relax_after: int | None, predictor: PeakModel | None, min_micro_batch: int = 1) -> None:
+        self.relax_after = relax_after
+        self.predictor = predictor
+        self.min_micro_batch = min_micro_batch
+        self.default = Plan()
+        self.store: PlanStore | None = None
+        self._buckets: dict[int, _Bucket] = {}
+
+    # -- state ----------------------------------------------------------------------------------------
+    def reset(self, plan: Plan) -> None:
+        """Make ``plan`` the plan of every bucket (``guard.plan = ...``)."""
+        self.default = plan
+        self._buckets.clear()
+
+    def plans(self) -> dict[int, Plan]:
+        """The current plan of every bucket seen."""
+        return {bucket: state.plan for bucket, state in self._buckets.items()}
+
+    def load(self, store: PlanStore) -> None:
+        """Start from the plans saved in ``store`` (once, when the device is known)."""
+        self.store = store
+        for bucket, plan in store.load().items():
+            self._buckets.setdefault(bucket, _Bucket(plan, self._initial_wait()))
+
+    def _initial_wait(self) -> int:
+        return self.relax_after if self.relax_after is not None else 0
+
+    def _save(self) -> None:
+        if self.store is not None:
+            self.store.save(self.plans())
+
+    # -- choosing -------------------------------------------------------------------------------------
+    def choose(self, bucket: int, size: int, sizing: Callable[[Plan], int | None]) -> Choice:
+        """The plan for a call on a batch of ``size`` samples in ``bucket``.
+
+        ``sizing(plan)`` is the largest micro-batch the peak model predicts for that plan's configuration.
+        """
+        state = self._buckets.get(bucket)
+        if state is None:
+            state = self._buckets[bucket] = _Bucket(self._starting_plan(bucket, size, sizing), self._initial_wait())
+        if self.relax_after is None or state.clean < state.wait:
+            return Choice(bucket, state.plan)
+        cheaper = relax(state.plan, size, self.min_micro_batch)
+        if cheaper is None:
+            return Choice(bucket, state.plan)
+        cheaper = self._sized(cheaper, size, sizing, grow=True)
+        return Choice(bucket, cheaper, relaxing=True, fallback=state.plan)
+
+    def _starting_plan(self, bucket: int, size: int, sizing: Callable[[Plan], int | None]) -> Plan:
+        smaller = [b for b in self._buckets if b < bucket]
+        larger = [b for b in self._buckets if b > bucket]
+        if smaller:  # a larger batch needs at least what the nearest smaller one needed
+            plan = self._buckets[max(smaller)].plan
+        elif larger:  # a smaller batch fits wherever a larger one did; relaxing will find the cheaper plan
+            return self._buckets[min(larger)].plan
+        else:
+            return self.default
+        return self._sized(plan, size, sizing, grow=False)
+
+    def _sized(self, plan: Plan, size: int, sizing: Callable[[Plan], int | None], grow: bool) -> Plan:
+        """``plan`` with the micro-batch size the peak model predicts (not above ``plan``'s unless ``grow``)."""
+        predicted = sizing(plan)
+        if predicted is None:
+            return plan
+        current = plan.effective_micro_batch_size(size)
+        target = max(self.min_micro_batch, min(size, predicted))
+        if not grow:
+            target = min(target, current)
+        elif target <= current:
+            return plan  # the model sees no room: try the plain step up and let the outcome teach it
+        return plan.replace(micro_batch_size=None if target >= size else target)
+
+    # -- outcomes -------------------------------------------------------------------------------------
+    def succeeded(self, choice: Choice, plan: Plan) -> bool:
+        """A call finished on ``plan``; True if the bucket's plan changed (and was saved)."""
+        state = self._buckets[choice.bucket]
+        if plan == state.plan:
+            state.clean += 1
+            return False
+        state.plan, state.clean = plan, 0
+        if not choice.relaxing or plan != choice.plan:  # a fresh degradation: wait the base time again
+            state.wait = self._initial_wait()
+        self._save()
+        return True
+
+    def relax_failed(self, choice: Choice) -> Plan:
+        """A try at a cheaper plan ran out of memory: back to the bucket's plan, and wait twice as long."""
+        state = self._buckets[choice.bucket]
+        state.clean = 0
+        state.wait = max(1, 2 * state.wait)
+        assert choice.fallback is not None
+        return choice.fallback
+
+    def next_try_after(self, bucket: int) -> int:
+        """Clean steps the bucket still waits before trying a cheaper plan."""
+        state = self._buckets[bucket]
+        return max(0, state.wait - state.clean)
+
+
+def items_of(batch: Any) -> int:
+    """Elements of the batch's largest tensor (what the peak model scales with)."""
+    return _largest_numel(batch)
+
+
+def grad_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the gradients of every trainable parameter: the part of a step's peak that micro-batching keeps."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,62 @@
+"""What a guarded call returns, and what a guard says about itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from oomguard._plan import Plan
+
+__all__ = ["GuardSummary", "StepResult"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one guarded call did.
+
+    ``loss`` is the whole batch's loss (weighted exactly across micro-batches); ``rungs`` names the rungs in
+    effect for this step (``"micro_batch"`` only when the batch was split); ``ooms`` counts the out-of-memory
+    errors caught during this call.
+    """
+
+    loss: float
+    micro_batch_size: int
+    rungs: tuple[str, ...]
+    ooms: int
+    step: int
+    batch_size: int
+    micro_batches: int
+    plan: Plan
+    grad_norm: float | None = None
+    seconds_lost: float = 0.0
+
+
+@dataclass(frozen=True)
+class GuardSummary:
+    """Which fallbacks a guard needed, and how often. ``str()`` gives a readable paragraph."""
+
+    steps: int
+    ooms: int
+    fallbacks: dict[str, int]
+    recovered_steps: int
+    exhausted: int
+    seconds_lost: float
+    plan: Plan
+    #: Tries at a cheaper plan after clean steps: how many held and how many ran out of memory.
+    relaxations: tuple[int, int] = (0, 0)
+    #: Steps run with each rung in effect.
+    steps_by_rung: dict[str, int] | None = None
+
+    def __str__(self) -> str:
+        if not self.ooms:
+            return f"{self.steps} steps, no out-of-memory error: no fallback was needed."
+        needed = ", ".join(f"{name} x{count}" for name, count in self.fallbacks.items()) or "none"
+        lines = [
+            f"{self.steps} steps, {self.ooms} out-of-memory error(s) caught, {self.recovered_steps} step(s) "
+            f"recovered, {self.exhausted} given up; {self.seconds_lost:.1f} s spent on failed attempts.",
+            f"Fallbacks needed: {needed}.",
+            f"Current plan: {self.plan.describe()}.",
+        ]
+        held, failed = self.relaxations
+        if held or failed:
+            lines.append(f"Stepped back up {held} time(s); {failed} try(s) at a cheaper plan ran out of memory.")
+        return "\n".join(lines)
