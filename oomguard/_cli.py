@@ -24,7 +24,30 @@ def _parser() -> argparse.ArgumentParser:
 
     _demo.add_arguments(demo)
     demo.set_defaults(run=_demo.run)
+    report = commands.add_parser(
+        "report",
+        help="summarise an event log: a table per rung, and optionally a plot of memory over steps",
+        description="Summarise an oomguard event log (JSON lines): per rung, times engaged, steps on it and time "
+        "lost to OOMs; --plot draws memory over steps with rung changes marked (needs matplotlib).",
+    )
+    report.add_argument("log", help="the event log written with log_file=")
+    report.add_argument("--plot", metavar="FILE.png", help="also draw memory over steps to this PNG")
+    report.set_defaults(run=_run_report)
     return parser
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from oomguard._report import Report, plot, read_log
+
+    try:
+        events = read_log(args.log)
+    except OSError as error:
+        raise SystemExit(f"oomguard report: cannot read {args.log}: {error.strerror or error}") from error
+    print(Report.from_events(events).table())
+    if args.plot:
+        plot(events, args.plot, title=args.log)
+        print(f"\nPlot written to {args.plot}.")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

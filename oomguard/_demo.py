@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import logging
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 import torch
@@ -42,6 +44,7 @@ class DemoConfig:
     seed: int = 0
 
 
+LONG_FACTOR = 2  # the rare long batches are this many times longer
 _CUDA_DEFAULTS = {
     "batch_size": 64,
     "seq_len": 1024,
@@ -55,7 +58,10 @@ _CUDA_DEFAULTS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's command-line flags."""
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps to run (default 40)")
-    parser.add_argument("--log-file", default="oomguard-demo.jsonl", help="event log, JSON lines (appended)")
+    parser.add_argument("--log-file", default="oomguard-demo.jsonl", help="event log, JSON lines (rewritten)")
+    parser.add_argument("--state-file", default="oomguard-demo-plans.json", help="learned plans (rewritten)")
+    parser.add_argument("--long-every", type=int, default=8, help=f"every Nth batch is {LONG_FACTOR}x longer (0: none)")
+    parser.add_argument("--restart-steps", type=int, default=8, help="steps of the restarted job (0: no restart)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu simulates the GPU")
     parser.add_argument("--gpu-memory", default=None, help="the memory budget, e.g. 64MiB (cpu) or 6GiB (cuda)")
     parser.add_argument("--batch-size", type=int, default=None, help="samples per optimizer step")
@@ -89,7 +95,7 @@ def build_model(config: DemoConfig) -> torch.nn.Module:
         num_hidden_layers=config.layers,
         num_attention_heads=config.heads,
         num_key_value_heads=config.heads,
-        max_position_embeddings=config.seq_len,
+        max_position_embeddings=LONG_FACTOR * config.seq_len,
         tie_word_embeddings=False,
     )
     model: torch.nn.Module = LlamaForCausalLM(llama)
@@ -169,45 +175,91 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
         guard_logger.removeHandler(handler)
 
 
-def _train(config: DemoConfig, device: torch.device, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+def _stream(config: DemoConfig, long_every: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Batches of ``seq_len`` tokens, with a rare batch of longer sequences every ``long_every`` steps.
+
+    The text is read here, before the memory budget starts: it is host memory, not the device's.
+    """
     text = stdlib_text()
-    batches = text_batches(text, config.batch_size, config.seq_len, seed=config.seed)
+    short = text_batches(text, config.batch_size, config.seq_len, seed=config.seed)
+    long = text_batches(text, config.batch_size, LONG_FACTOR * config.seq_len, seed=config.seed + 1)
+    return (next(long) if long_every and step % long_every == 0 else next(short) for step in itertools.count(1))
+
+
+def _job(
+    config: DemoConfig, device: torch.device, args: argparse.Namespace, steps: int, err: TextIO
+) -> tuple[Any, list[StepResult]]:
+    """Build the model (same seed every time), train ``steps`` steps under the budget; the guard and results."""
     model = build_model(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
-    n_params = sum(p.numel() for p in model.parameters())
-    out.write(
-        f"oomguard demo: Llama with {n_params / 1e6:.2f}M parameters, batches of {config.batch_size} x "
-        f"{config.seq_len} tokens of the standard library's source, {config.steps} steps, on "
-        f"{'a simulated GPU' if device.type == 'cpu' else 'CUDA'} capped at {config.gpu_memory}.\n"
-        f"Events go to {args.log_file}.\n"
-    )
-    out.flush()
 
-    @oom_guard(model=model, optimizer=optimizer, scheduler=scheduler, log_file=args.log_file, max_grad_norm=1.0)
+    # Forward only: the guard owns backward, accumulation, clipping, the step and zero_grad. The state file
+    # remembers each batch bucket's plan; log_every=1 logs every step's peak for `oomguard report --plot`.
+    @oom_guard(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        log_file=args.log_file,
+        state_file=args.state_file,
+        max_grad_norm=1.0,
+        log_every=1,
+    )
     def train_step(batch: dict[str, torch.Tensor]) -> Any:
-        # Forward only: the guard owns backward, accumulation, clipping, the step and zero_grad.
         return model(**{name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()})
 
-    progress = _Progress(config.steps, err, enabled=not args.quiet)
-    first: float | None = None
-    last = float("nan")
+    batches = _stream(config, args.long_every)
+    progress = _Progress(steps, err, enabled=not args.quiet)
+    results = []
     with _device_budget(config, device.type) as gpu:
         if gpu is not None:
             gpu.adopt(model)  # the weights are already on the (simulated) device, as after model.to("cuda")
         backend = current_backend(device)
-        for _ in range(config.steps):
-            result = train_step(next(batches))
-            first = result.loss if first is None else first
-            last = result.loss
-            memory = f"{format_bytes(backend.max_memory_allocated())} peak of {format_bytes(backend.total_memory())}"
-            progress.update(result, memory)
-    summary = train_step.guard.summary()
-    out.write(f"\nLoss {first:.3f} -> {last:.3f} over {config.steps} steps.\n{summary}\n")
+        for _ in range(steps):
+            results.append(train_step(next(batches)))
+            peak = f"{format_bytes(backend.max_memory_allocated())} of {format_bytes(backend.total_memory())}"
+            progress.update(results[-1], peak)
+    return train_step.guard, results
+
+
+def _train(config: DemoConfig, device: torch.device, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    for stale in (args.log_file, args.state_file):  # each demo starts from scratch
+        Path(stale).unlink(missing_ok=True)
+    n_params = sum(p.numel() for p in build_model(config).parameters())
+    out.write(
+        f"oomguard demo: Llama with {n_params / 1e6:.2f}M parameters, batches of {config.batch_size} x "
+        f"{config.seq_len} tokens of the standard library's source (every {args.long_every}th batch "
+        f"{LONG_FACTOR}x longer), {config.steps} steps, on "
+        f"{'a simulated GPU' if device.type == 'cpu' else 'CUDA'} capped at {config.gpu_memory}.\n"
+        f"Events go to {args.log_file}, learned plans to {args.state_file}.\n\n"
+    )
+    out.flush()
+    guard, results = _job(config, device, args, config.steps, err)
+    summary = guard.summary()
+    out.write(f"\nLoss {results[0].loss:.3f} -> {results[-1].loss:.3f} over {config.steps} steps.\n{summary}\n")
     if summary.fallbacks:
         out.write(
-            "The batch never changed: every step trained on all "
-            f"{config.batch_size} samples, split into micro-batches with exact gradient accumulation.\n"
+            f"The batches never changed: every step trained on all {config.batch_size} samples, split into "
+            f"micro-batches with exact gradient accumulation. Plans per batch bucket: "
+            f"{_plans(guard, config)}.\n"
         )
-    out.write(f"Event log: {args.log_file} ({len(train_step.guard.events)} events).\n")
+    if args.restart_steps:
+        out.write(f"\nRestarting from {args.state_file}, as a job would after a crash or a preemption...\n")
+        out.flush()
+        _, again = _job(config, device, args, args.restart_steps, err)
+        ooms = sum(r.ooms for r in again)
+        out.write(
+            f"Restart: {len(again)} steps (long batches included) with {ooms} out-of-memory error(s): every bucket "
+            f"started on the plan it had learned.\n"
+        )
+    out.write(f"Event log: {args.log_file}; summarise it with: oomguard report {args.log_file} --plot memory.png\n")
     return 0
+
+
+def _plans(guard: Any, config: DemoConfig) -> str:
+    """The learned plan of each bucket, named by sequence length."""
+    names = []
+    for bucket, plan in sorted(guard.plans.items()):
+        seq = bucket // config.batch_size
+        names.append(f"{seq}-token batches: {plan.describe(config.batch_size)}")
+    return "; ".join(names)

@@ -55,6 +55,7 @@ class _Bucket:
     plan: Plan
     wait: int  # clean steps to wait before the next try at a cheaper plan
     clean: int = 0  # consecutive clean steps on ``plan``
+    saved: bool = False  # whether the state file has this bucket's plan
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class PlanBook:
         """Start from the plans saved in ``store`` (once, when the device is known)."""
         self.store = store
         for bucket, plan in store.load().items():
-            self._buckets.setdefault(bucket, _Bucket(plan, self._initial_wait()))
+            self._buckets.setdefault(bucket, _Bucket(plan, self._initial_wait(), saved=True))
 
     def _initial_wait(self) -> int:
         return self.relax_after if self.relax_after is not None else 0
@@ -100,6 +101,8 @@ class PlanBook:
     def _save(self) -> None:
         if self.store is not None:
             self.store.save(self.plans())
+            for state in self._buckets.values():
+                state.saved = True
 
     # -- choosing -------------------------------------------------------------------------------------
     def choose(self, bucket: int, size: int, sizing: Callable[[Plan], int | None]) -> Choice:
@@ -148,12 +151,15 @@ class PlanBook:
         state = self._buckets[choice.bucket]
         if plan == state.plan:
             state.clean += 1
-            return False
-        state.plan, state.clean = plan, 0
-        if not choice.relaxing or plan != choice.plan:  # a fresh degradation: wait the base time again
-            state.wait = self._initial_wait()
-        self._save()
-        return True
+            changed = False
+        else:
+            state.plan, state.clean = plan, 0
+            if not choice.relaxing or plan != choice.plan:  # a fresh degradation: wait the base time again
+                state.wait = self._initial_wait()
+            changed = True
+        if changed or not state.saved:  # a new bucket's first plan is worth remembering too
+            self._save()
+        return changed
 
     def relax_failed(self, choice: Choice) -> Plan:
         """A try at a cheaper plan ran out of memory: back to the bucket's plan, and wait twice as long."""

@@ -1,4 +1,4 @@
-"""The main job, `oomguard demo`, end to end on a short run."""
+"""The main job, `oomguard demo`, end to end on a short run, and `oomguard report` on the log it writes."""
 
 from __future__ import annotations
 
@@ -10,32 +10,64 @@ from pathlib import Path
 
 import pytest
 
-from oomguard._cli import main
+from oomguard._cli import _parser, main
 from oomguard._demo import run
 
 
-def test_demo_recovers_and_reports_its_fallbacks(tmp_path: Path) -> None:
-    log = tmp_path / "demo.jsonl"
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    """One short demo: 3 steps with a long batch every 2nd, then a restart of 2 steps from the state file."""
+    folder = tmp_path_factory.mktemp("demo")
+    log, state = folder / "demo.jsonl", folder / "plans.json"
+    argv = ["demo", "--steps", "3", "--long-every", "2", "--restart-steps", "2", "--log-file", str(log)]
     out, err = io.StringIO(), io.StringIO()
-    args = _parse(["demo", "--steps", "3", "--log-file", str(log)])
-    assert run(args, out=out, err=err) == 0
-    text = out.getvalue()
-    assert "Fallbacks needed: micro_batch x" in text, text
-    assert "every step trained on all 16 samples" in text
-    assert "step    3/3" in err.getvalue(), "the progress bar reached the end"
-    assert "[oomguard] step 0: OOM in" in err.getvalue(), "event lines are shown as they happen"
-    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert run(_parser().parse_args([*argv, "--state-file", str(state)]), out=out, err=err) == 0
+    return folder, out.getvalue(), err.getvalue()
+
+
+def test_demo_recovers_and_reports_its_fallbacks(demo_run: tuple[Path, str, str]) -> None:
+    folder, out, err = demo_run
+    assert "Fallbacks needed: micro_batch x" in out, out
+    assert "every step trained on all 16 samples" in out
+    assert "256-token batches:" in out and "512-token batches:" in out, "each batch bucket has its own plan"
+    assert "step    3/3" in err, "the progress bar reached the end"
+    assert "[oomguard] step 0: OOM in" in err, "event lines are shown as they happen"
+    events = [json.loads(line) for line in (folder / "demo.jsonl").read_text().splitlines()]
     assert events[0]["event"] == "oom" and events[0]["memory"]["capacity"] == 64 * 2**20
-    assert [e["event"] for e in events if e["event"] != "progress"][-1] == "recovered"
-    progress = [e for e in events if e["event"] == "progress"]
-    assert progress and progress[0]["steps_by_rung"] == {"micro_batch": 1}
+    assert any(e["event"] == "recovered" for e in events)
+    saved = json.loads((folder / "plans.json").read_text())
+    assert len(saved["plans"]) == 2, "both buckets' plans were saved"
 
 
-def test_cli_entry_points_answer_help() -> None:
-    for command in ([sys.executable, "-m", "oomguard", "demo", "--help"], [sys.executable, "-m", "oomguard", "--help"]):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-        assert done.returncode == 0, done.stderr
-        assert "demo" in done.stdout
+def test_the_restart_starts_from_the_state_file_without_ooms(demo_run: tuple[Path, str, str]) -> None:
+    _, out, _ = demo_run
+    assert "Restart: 2 steps (long batches included) with 0 out-of-memory error(s)" in out
+
+
+def test_report_summarises_the_demo_log_and_draws_it(
+    demo_run: tuple[Path, str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from PIL import Image
+
+    folder, _, _ = demo_run
+    png = folder / "memory.png"
+    assert main(["report", str(folder / "demo.jsonl"), "--plot", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert "5 steps logged (2 run(s))" in table
+    assert "| micro_batch |" in table and "time lost to OOMs" in table
+    with Image.open(png) as image:
+        assert image.size == (1000, 400)
+        pixels = image.convert("L")
+        low, high = pixels.getextrema()
+        assert high - low > 100, "the plot is not blank"
+        assert sum(1 for count in pixels.histogram() if count) > 20, "lines, labels and axes make many shades"
+
+
+@pytest.mark.parametrize(("args", "expected"), [(["--help"], "report"), (["demo", "--help"], "--state-file")])
+def test_cli_entry_points_answer_help(args: list[str], expected: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "oomguard", *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert expected in done.stdout
 
 
 def test_cli_rejects_a_bad_budget(tmp_path: Path) -> None:
@@ -43,7 +75,6 @@ def test_cli_rejects_a_bad_budget(tmp_path: Path) -> None:
         main(["demo", "--steps", "1", "--gpu-memory", "lots", "--log-file", str(tmp_path / "x.jsonl"), "--quiet"])
 
 
-def _parse(argv: list[str]):  # type: ignore[no-untyped-def]
-    from oomguard._cli import _parser
-
-    return _parser().parse_args(argv)
+def test_report_of_a_missing_log_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="cannot read"):
+        main(["report", str(tmp_path / "nope.jsonl")])
