@@ -54,14 +54,23 @@ class PlanStore:
         if entries is None:
             return {}
         plans: dict[int, Plan] = {}
+        broken: list[str] = []
         for key, entry in entries.items():
             if not key.startswith(self.prefix):
                 continue
             try:
                 plans[int(key[len(self.prefix) :])] = Plan.from_dict(entry["plan"])
             except (KeyError, TypeError, ValueError) as error:
-                logger.warning("oomguard: ignoring the saved plan %r in %s: %s", key, self.path, error)
-        if not plans:
+                broken.append(f"{key!r} ({error})")
+        if broken:  # one warning for the whole file, whatever is wrong in it
+            logger.warning(
+                "oomguard: ignoring %d unreadable saved plan(s) in %s: %s; %s",
+                len(broken),
+                self.path,
+                "; ".join(broken),
+                "the others are used" if plans else "starting from the default plan",
+            )
+        elif not plans:
             logger.warning(
                 "oomguard: %s holds no plan for this model and device (saved for another model, device or "
                 "memory size?); starting from the default plan",
@@ -77,15 +86,16 @@ class PlanStore:
             entries[f"{self.prefix}{bucket}"] = {"plan": plan.to_dict(), "updated": now}
         document = {"format": _FORMAT, "version": _VERSION, "plans": entries}
         _atomic_write(self.path, json.dumps(document, indent=1, sort_keys=True) + "\n")
+        _remove_orphans(self.path)
 
     def _read(self, warn: bool) -> dict[str, Any] | None:
         try:
-            text = self.path.read_text(encoding="utf-8")
+            text = self.path.read_bytes().decode("utf-8")
         except FileNotFoundError:
             if warn:
                 logger.warning("oomguard: no state file at %s yet; starting from the default plan", self.path)
             return None
-        except OSError as error:
+        except (OSError, UnicodeDecodeError) as error:
             if warn:
                 logger.warning("oomguard: cannot read the state file %s (%s); ignoring it", self.path, error)
             return None
@@ -106,6 +116,20 @@ class PlanStore:
             return None
         plans: dict[str, Any] = document["plans"]
         return plans
+
+
+_ORPHAN_AGE = 60.0  # seconds: a temporary file this old was left by a writer that was killed
+
+
+def _remove_orphans(path: Path) -> None:
+    """Delete temporary files that killed writers left beside ``path`` (never a fresh one: it may be in use)."""
+    now = time.time()
+    for orphan in path.parent.glob(f".{path.name}.*.tmp"):
+        try:
+            if now - orphan.stat().st_mtime > _ORPHAN_AGE:
+                orphan.unlink()
+        except OSError:
+            pass
 
 
 def _atomic_write(path: Path, text: str) -> None:

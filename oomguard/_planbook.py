@@ -150,7 +150,8 @@ class PlanBook:
         """A call finished on ``plan``; True if the bucket's plan changed (and was saved)."""
         state = self._buckets[choice.bucket]
         if plan == state.plan:
-            state.clean += 1
+            if not choice.relaxing:  # a call whose try at a cheaper plan failed is not a clean step
+                state.clean += 1
             changed = False
         else:
             state.plan, state.clean = plan, 0
