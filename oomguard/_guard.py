@@ -26,6 +26,7 @@ from oomguard._blocks import find_blocks
 from oomguard._checkpointing import user_checkpointing
 from oomguard._config import check_optional_positive_int, validate
 from oomguard._detect import is_oom
+from oomguard._distributed import Agreement, ddp_of, distributed_active, unwrap
 from oomguard._effects import Effects
 from oomguard._errors import GuardConfigError, LadderExhausted, OOMGuardError, RecoveryLimitExceeded
 from oomguard._events import (
@@ -81,6 +82,7 @@ class _Call:
     tried: list[tuple[Plan, FailureSummary]] = field(default_factory=list)
     seconds_lost: float = 0.0
     exhausted: bool = False
+    time_up: bool = False
     started: float = field(default_factory=time.monotonic)
 
 
@@ -155,14 +157,16 @@ class OOMGuard:
         self.ladder = resolve_ladder(ladder)
         self.transaction = OptimizerTransaction(optimizer, step_journal)
         self._device = next(model.parameters()).device
-        blocks = find_blocks(model)
+        self._ddp = ddp_of(model)
+        core = unwrap(model)  # rungs change the module inside DDP, never the wrapper
+        blocks = find_blocks(core)
         self._rung_context = RungContext(
             batch_size=0,
             num_blocks=len(blocks),
             bf16_supported=bf16_supported(self._device),
-            checkpointed=user_checkpointing(model),
+            checkpointed=user_checkpointing(core),
         )
-        self.effects = Effects(model, optimizer, blocks)
+        self.effects = Effects(core, optimizer, blocks)
         self._runner = StepRunner(
             step_fn,
             model=model,
@@ -173,15 +177,17 @@ class OOMGuard:
             max_grad_norm=max_grad_norm,
             item_counter=count_items or default_item_counter(model),
             reduction=reduction,
+            ddp=self._ddp,
         )
-        self._sinks: list[EventSink] = [JsonlSink(log_file)] if log_file is not None else []
-        self._sinks.extend(sinks)
+        self._log_file = log_file
+        self._sinks: list[EventSink] = list(sinks)
         self._book = PlanBook(relax_after, PeakModel() if predictive else None)
         self._state_file = state_file
         self._bucket = bucket
         self._log_every = log_every
         self._fix_fragmentation = fix_fragmentation
-        self._grad_bytes = grad_bytes(model)
+        self._grad_bytes = grad_bytes(core)
+        self._started = False
         self._last_plan = Plan()
         self._plan_rung: str | None = None
         self._steps = 0
@@ -193,9 +199,7 @@ class OOMGuard:
         self._recovered = 0
         self._exhausted = 0
         self._seconds_lost = 0.0
-        stop: tenacity.stop.stop_base = tenacity.stop_after_attempt(max_attempts) | _stop_if_exhausted
-        if max_recovery_seconds is not None:
-            stop = stop | tenacity.stop_after_delay(max_recovery_seconds)
+        stop = tenacity.stop_after_attempt(max_attempts) | _stop_if_exhausted
         self._max_attempts = max_attempts
         self._max_seconds = max_recovery_seconds
         self._retrying = tenacity.Retrying(
@@ -257,14 +261,34 @@ class OOMGuard:
         )
 
     # -- the loop ---------------------------------------------------------------------------------------
+    def _start(self, backend: MemoryBackend) -> None:
+        """First call: join the process group if there is one, open the log, load the state file."""
+        if self._started:
+            return
+        self._started = True
+        rank = 0
+        if distributed_active():
+            self._runner.agreement = Agreement(self._device)
+            rank = self._runner.agreement.rank
+        if self._log_file is not None:  # one log per rank: rank k > 0 writes NAME.rank<k>.jsonl beside it
+            path = Path(self._log_file)
+            self._sinks.insert(0, JsonlSink(path if rank == 0 else path.with_suffix(f".rank{rank}{path.suffix}")))
+        if self._state_file is not None:  # every rank reads the plans; only rank 0 writes them
+            fingerprint = model_fingerprint(unwrap(self.model))
+            self._book.load(PlanStore(self._state_file, fingerprint, backend.identity(), writable=rank == 0))
+
     def __call__(self, batch: Any) -> StepResult:
         """Train on ``batch``: one optimizer step, however many attempts and micro-batches it takes."""
         size = batch_size(batch)  # raises BatchSplitError for a batch that could never be split
         backend = current_backend(self._device)
-        if self._state_file is not None and self._book.store is None:
-            self._book.load(PlanStore(self._state_file, model_fingerprint(self.model), backend.identity()))
+        self._start(backend)
         per_sample = items_per_sample(batch, size)
         choice = self._book.choose(self._bucket(batch), size, lambda plan: self._predict(plan, backend, per_sample))
+        agreement = self._runner.agreement
+        if agreement is not None:  # every rank starts the call on the same plan
+            agreed = agreement.plan(choice.plan, size)
+            if agreed != choice.plan:
+                choice = dataclasses.replace(choice, plan=agreed, relaxing=False, fallback=None)
         call = _Call(batch, size, backend, choice, choice.plan, per_sample)
         result = self._retrying(self._attempt, call)
         if not isinstance(result, StepResult):  # tenacity returns a failure only through _give_up, which raises
@@ -391,6 +415,9 @@ class OOMGuard:
             )
         )
         self._learn_from_failure(call, failed)
+        agreement, verdict = self._runner.agreement, self._runner.verdict
+        time_up = self._max_seconds is not None and time.monotonic() - call.started >= self._max_seconds
+        call.time_up = agreement.any(time_up) if agreement is not None else time_up
         if call.choice.relaxing and failed.plan == call.choice.plan:  # the try at a cheaper plan: go back
             call.plan = self._book.relax_failed(call.choice)
             self._relaxations[1] += 1
@@ -399,9 +426,13 @@ class OOMGuard:
         context = dataclasses.replace(
             self._rung_context,
             batch_size=call.size,
-            phase=failed.summary.phase,
+            # Under distributed training every rank escalates from the same agreed figures, so all
+            # reach the same plan: the deepest phase any rank failed in, and no per-rank prediction.
+            phase=verdict.phase if verdict is not None and verdict.outcome != "ok" else failed.summary.phase,
             can_offload=call.backend.offloads,
-            max_micro_batch=self._predict(failed.plan, call.backend, call.items_per_sample),
+            max_micro_batch=(
+                None if agreement is not None else self._predict(failed.plan, call.backend, call.items_per_sample)
+            ),
         )
         cheaper = self.ladder.next(failed.plan, context)
         if cheaper is None:
@@ -435,7 +466,7 @@ class OOMGuard:
         error: type[LadderExhausted | RecoveryLimitExceeded]
         if call.exhausted:
             reason, error = "ladder", LadderExhausted
-        elif self._max_seconds is not None and (retry_state.seconds_since_start or 0.0) >= self._max_seconds:
+        elif call.time_up:
             reason, error = "time", RecoveryLimitExceeded
         else:
             reason, error = "attempts", RecoveryLimitExceeded
@@ -492,11 +523,11 @@ class OOMGuard:
 
 
 class _StopIfExhausted(tenacity.stop.stop_base):
-    """Stop once the ladder has nothing cheaper to offer for this call."""
+    """Stop once the ladder has nothing cheaper to offer, or the (agreed) time bound is reached."""
 
     def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
         call: _Call = retry_state.args[0]
-        return call.exhausted
+        return call.exhausted or call.time_up
 
 
 _stop_if_exhausted = _StopIfExhausted()

@@ -44,9 +44,10 @@ class PlanStore:
     Entries of other models or devices in the same file are preserved.
     """
 
-    def __init__(self, path: str | Path, fingerprint: str, device: str) -> None:
+    def __init__(self, path: str | Path, fingerprint: str, device: str, writable: bool = True) -> None:
         self.path = Path(path)
         self.prefix = f"{fingerprint}|{device}|"
+        self.writable = writable  # under distributed training only rank 0 writes
 
     def load(self) -> dict[int, Plan]:
         """The saved plans for this model and device, by bucket; empty (with one warning) if there are none."""
@@ -80,6 +81,8 @@ class PlanStore:
 
     def save(self, plans: dict[int, Plan]) -> None:
         """Write ``plans`` (all buckets of this model and device), keeping other entries, atomically."""
+        if not self.writable:
+            return
         entries = {k: v for k, v in (self._read(warn=False) or {}).items() if not k.startswith(self.prefix)}
         now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         for bucket, plan in sorted(plans.items()):

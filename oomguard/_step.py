@@ -13,9 +13,12 @@ from typing import Any, Literal
 import torch
 
 from oomguard._batch import count_items, split_batch
+from oomguard._detect import is_oom
+from oomguard._distributed import Agreement, Verdict, quiet_ddp
 from oomguard._effects import Effects
-from oomguard._errors import LossError
+from oomguard._errors import LossError, OOMGuardError
 from oomguard._memory import MemoryBackend
+from oomguard._peers import Outcome, peer_failure
 from oomguard._plan import Plan
 from oomguard._transaction import OptimizerTransaction, Scheduler
 
@@ -88,6 +91,8 @@ class StepRunner:
         max_grad_norm: float | None,
         item_counter: Callable[[Any], float],
         reduction: Reduction,
+        agreement: Agreement | None = None,
+        ddp: torch.nn.parallel.DistributedDataParallel | None = None,
     ) -> None:
         self.step_fn = step_fn
         self.model = model
@@ -98,6 +103,9 @@ class StepRunner:
         self.max_grad_norm = max_grad_norm
         self.item_counter = item_counter
         self.reduction = reduction
+        self.agreement = agreement
+        self.ddp = ddp
+        self.verdict: Verdict | None = None  # what the ranks agreed after this attempt's backward
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.phase = "forward"
         self.micro_batch = 0
@@ -125,52 +133,101 @@ class StepRunner:
     def run(self, batch: Any, size: int, plan: Plan, backend: MemoryBackend) -> AttemptOutput:
         """Forward/backward each micro-batch, then clip, step and schedule: exactly one optimizer step.
 
-        On any exception the gradients are dropped and the optimizer step (if reached) is undone.
+        On any exception the gradients are dropped and the optimizer step (if reached) is undone. Under
+        distributed training every rank reaches the same agreements whatever failed where (see
+        :mod:`oomguard._distributed`): a rank whose peer failed raises too.
         """
         self.phase, self.micro_batch = "apply", 0
+        self.verdict = None
         self.zero_grad()
         backend.reset_peak_memory_stats()  # so the peak read at the end is this attempt's
         self.base = backend.memory_allocated()
         scaler = self.effects.scaler(plan)  # fp16 only; a fresh one per attempt, from the last committed state
         done = False
         try:
-            if self.effects.apply(plan, backend):
-                self.transaction.invalidate()  # the step's memory profile changed with the plan
-            self.phase = "split"
-            parts, weights = self._parts(batch, size, plan)
-            total: torch.Tensor | None = None
-            for index, (part, weight) in enumerate(zip(parts, weights, strict=True)):
-                if weight == 0.0:  # no counted item: it contributes exactly nothing (and its mean is NaN)
-                    continue
-                self.phase, self.micro_batch = "forward", index
-                with self.effects.forward(plan, backend):
-                    loss = loss_of(self.step_fn(part))
-                self.phase = "backward"
-                weighted = loss if weight == 1.0 else loss * weight
-                (scaler.scale(weighted) if scaler is not None else weighted).backward()  # type: ignore[no-untyped-call]
-                contribution = loss.detach().float() * weight
-                total = contribution if total is None else total + contribution
-                del loss, weighted  # drop the graph's last references before the next micro-batch's forward
-            self.effects.after_backward()
-            grad_norm = None
-            if self.max_grad_norm is not None:
-                self.phase = "clip"
-                if scaler is not None:
-                    scaler.unscale_(self.optimizer)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
+            micro_batches, total = self._accumulate(batch, size, plan, backend, scaler)
+            grad_norm = self._clip(scaler)
             self.phase = "optimizer"
-            self.transaction.step(backend, self.scheduler, scaler)
+            agree = self.agreement.after_step if self.agreement is not None else None
+            allow_fast = self.verdict is None or not self.verdict.journal
+            self.transaction.step(backend, self.scheduler, scaler, agree=agree, allow_fast=allow_fast)
             self.effects.commit_scaler(scaler)
+            if self.agreement is not None and self.ddp is not None:
+                self.agreement.broadcast_buffers(self.ddp)
             self.phase = "done"
             loss_value = float(total) if total is not None else float("nan")
             self.zero_grad()
             done = True
             micro = plan.effective_micro_batch_size(size)
-            return AttemptOutput(loss_value, grad_norm, len(parts), micro, self.base, backend.max_memory_allocated())
+            return AttemptOutput(loss_value, grad_norm, micro_batches, micro, self.base, backend.max_memory_allocated())
         finally:
             if not done:
                 self.effects.reset()
                 self.zero_grad()
+
+    def _accumulate(
+        self, batch: Any, size: int, plan: Plan, backend: MemoryBackend, scaler: torch.amp.GradScaler | None
+    ) -> tuple[int, torch.Tensor | None]:
+        """Apply the plan, then forward and backward every micro-batch; agree with the other ranks."""
+        failure: Exception | None = None
+        micro_batches, total = 0, None
+        try:
+            with quiet_ddp(self.ddp):
+                micro_batches, total = self._forward_backward(batch, size, plan, backend, scaler)
+            self.effects.after_backward()
+        except Exception as exc:
+            if self.agreement is None:
+                raise
+            failure = exc  # re-raised below, once the other ranks know
+        if self.agreement is not None:
+            outcome: Outcome = "ok" if failure is None else ("oom" if _is_retryable(failure) else "fatal")
+            journal = failure is not None or not self.transaction.can_skip_journal(backend)
+            self.verdict = self.agreement.after_backward(outcome, self.phase, journal)
+            if self.verdict.outcome != "ok":
+                raise failure if failure is not None else peer_failure(self.verdict.outcome, self.verdict.phase)
+            if self.ddp is not None:
+                self.agreement.average_gradients(self._params)
+        return micro_batches, total
+
+    def _forward_backward(
+        self, batch: Any, size: int, plan: Plan, backend: MemoryBackend, scaler: torch.amp.GradScaler | None
+    ) -> tuple[int, torch.Tensor | None]:
+        if self.effects.apply(plan, backend):
+            self.transaction.invalidate()  # the step's memory profile changed with the plan
+        self.phase = "split"
+        parts, weights = self._parts(batch, size, plan)
+        total: torch.Tensor | None = None
+        for index, (part, weight) in enumerate(zip(parts, weights, strict=True)):
+            if weight == 0.0:  # no counted item: it contributes exactly nothing (and its mean is NaN)
+                continue
+            self.phase, self.micro_batch = "forward", index
+            with self.effects.forward(plan, backend):
+                loss = loss_of(self.step_fn(part))
+            self.phase = "backward"
+            weighted = loss if weight == 1.0 else loss * weight
+            (scaler.scale(weighted) if scaler is not None else weighted).backward()  # type: ignore[no-untyped-call]
+            contribution = loss.detach().float() * weight
+            total = contribution if total is None else total + contribution
+            del loss, weighted  # drop the graph's last references before the next micro-batch's forward
+        return len(parts), total
+
+    def _clip(self, scaler: torch.amp.GradScaler | None) -> float | None:
+        """Clip the whole batch's gradient norm; a failure here is agreed like a failed optimizer step."""
+        if self.max_grad_norm is None:
+            return None
+        self.phase = "clip"
+        try:
+            if scaler is not None:
+                scaler.unscale_(self.optimizer)
+            return float(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
+        except Exception as exc:
+            if self.agreement is not None:  # the other ranks are about to agree after their step
+                self.agreement.after_step("oom" if _is_retryable(exc) else "fatal")
+            raise
+
+
+def _is_retryable(exc: BaseException) -> bool:
+    return is_oom(exc) and not isinstance(exc, OOMGuardError)
 
 
 def _part_sizes(size: int, micro: int) -> list[int]:

@@ -28,8 +28,10 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from oomguard._detect import is_oom
 from oomguard._errors import StepRollbackError
 from oomguard._memory import MemoryBackend
+from oomguard._peers import Agree, peer_failure
 
 __all__ = ["JournalMode", "OptimizerTransaction"]
 
@@ -86,21 +88,35 @@ class OptimizerTransaction:
             return False
         return backend.reserve(self._bound)
 
+    def can_skip_journal(self, backend: MemoryBackend) -> bool:
+        """Whether the next step would run without a journal (fast path) on this process."""
+        return self._may_skip_journal(backend, self._params())
+
     def step(
-        self, backend: MemoryBackend, scheduler: Scheduler | None = None, scaler: torch.amp.GradScaler | None = None
+        self,
+        backend: MemoryBackend,
+        scheduler: Scheduler | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        *,
+        agree: Agree | None = None,
+        allow_fast: bool = True,
     ) -> None:
         """Run ``optimizer.step()`` (through ``scaler`` if given), then ``scheduler.step()``.
 
         If anything raises, the optimizer and scheduler are put back as they were and the error re-raised; a
-        failed attempt's ``scaler`` is simply discarded by its owner.
+        failed attempt's ``scaler`` is simply discarded by its owner. Under distributed training ``agree``
+        tells the other ranks how the step went and returns the worst outcome of all ranks (``"ok"``,
+        ``"oom"`` or ``"fatal"``); if another rank failed, this rank's step is undone too. ``allow_fast=False``
+        forces the journal (some rank may need to undo).
         """
         params = self._params()
         before = backend.memory_allocated()
-        if self._may_skip_journal(backend, params):
+        run = self._runner(scheduler, scaler)
+        if allow_fast and self._may_skip_journal(backend, params):
             self._host.clear()
-            self._fast_step(params, self._runner(scheduler, scaler))
+            self._fast_step(params, run, agree)
         else:
-            self._journaled_step(backend, params, self._runner(scheduler, scaler), scheduler)
+            self._journaled_step(backend, params, run, scheduler, agree)
         self._measure(backend, before, params)
 
     def _runner(self, scheduler: Scheduler | None, scaler: torch.amp.GradScaler | None) -> Callable[[], None]:
@@ -115,14 +131,16 @@ class OptimizerTransaction:
 
         return run
 
-    def _fast_step(self, params: list[torch.Tensor], run: Callable[[], None]) -> None:
+    def _fast_step(self, params: list[torch.Tensor], run: Callable[[], None], agree: Agree | None) -> None:
         tensors = self._mutable_tensors(params)
         versions = [t._version for t in tensors]
         try:
             run()
         except BaseException as exc:
             changed = sum(t._version != v for t, v in zip(tensors, versions, strict=True))
-            if changed:
+            if agree is not None and isinstance(exc, Exception):
+                agree("fatal")  # the other ranks stepped without a journal: nobody can undo
+            if changed or agree is not None:
                 raise StepRollbackError(
                     f"the optimizer step failed with {type(exc).__name__} after changing {changed} of "
                     f"{len(tensors)} parameter/state tensors, on a step the guard judged safe to run without "
@@ -130,9 +148,20 @@ class OptimizerTransaction:
                     f"checkpoint; pass step_journal='always' to oom_guard to make every step undoable."
                 ) from exc
             raise
+        if agree is not None and agree("ok") != "ok":
+            raise StepRollbackError(
+                "another rank's optimizer step failed on a step every rank judged safe to run without a journal; "
+                "the replicas may now differ. Restore from a checkpoint; pass step_journal='always' to make "
+                "every step undoable."
+            )
 
     def _journaled_step(
-        self, backend: MemoryBackend, params: list[torch.Tensor], run: Callable[[], None], scheduler: Scheduler | None
+        self,
+        backend: MemoryBackend,
+        params: list[torch.Tensor],
+        run: Callable[[], None],
+        scheduler: Scheduler | None,
+        agree: Agree | None,
     ) -> None:
         self.journaled_steps += 1
         optimizer = self.optimizer
@@ -145,25 +174,33 @@ class OptimizerTransaction:
         copies = [backend.to_host(t, self._host.get(id(t))) for t in tensors]
         backend.synchronize()  # the copies must have read every tensor before the step writes to it
         self._host = {id(t): c for t, c in zip(tensors, copies, strict=True)}
-        done = False
+
+        def undo() -> None:
+            for t, c in zip(tensors, copies, strict=True):
+                with torch.no_grad():
+                    t.copy_(c, non_blocking=True)
+            for p in params:
+                if p in entries:
+                    optimizer.state[p] = entries[p]
+                else:
+                    optimizer.state.pop(p, None)
+            for group, saved in zip(optimizer.param_groups, groups, strict=True):
+                group.update(saved)
+            if scheduler is not None and scheduler_state is not None:
+                scheduler.load_state_dict(scheduler_state)
+            backend.synchronize()
+
         try:
             run()
-            done = True
-        finally:
-            if not done:
-                for t, c in zip(tensors, copies, strict=True):
-                    with torch.no_grad():
-                        t.copy_(c, non_blocking=True)
-                for p in params:
-                    if p in entries:
-                        optimizer.state[p] = entries[p]
-                    else:
-                        optimizer.state.pop(p, None)
-                for group, saved in zip(optimizer.param_groups, groups, strict=True):
-                    group.update(saved)
-                if scheduler is not None and scheduler_state is not None:
-                    scheduler.load_state_dict(scheduler_state)
-                backend.synchronize()
+        except BaseException as exc:
+            undo()
+            if agree is not None and isinstance(exc, Exception):
+                agree("oom" if is_oom(exc) else "fatal")
+            raise
+        outcome = agree("ok") if agree is not None else "ok"
+        if outcome != "ok":
+            undo()
+            raise peer_failure(outcome, "optimizer")
 
     def _measure(self, backend: MemoryBackend, before: int, params: list[torch.Tensor]) -> None:
         if backend.tracks_allocations:

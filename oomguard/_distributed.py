@@ -1,0 +1,150 @@
+"""Keeping every rank of a distributed job in agreement, so an OOM on one rank never hangs the others.
+
+The hazard: a collective that one rank enters and another never reaches blocks forever (NCCL) or aborts
+(gloo). DDP puts collectives inside forward (buffer broadcast) and inside backward (the gradient all-reduce),
+and a rank that runs out of memory there skips them. The scheme here puts every collective at a point all ranks
+are sure to reach, whatever failed where:
+
+1. **Plan.** At the start of a call all ranks agree on the plan (the most conservative of their choices).
+2. **Forward and backward** of every micro-batch run under DDP's ``no_sync()``, with DDP's forward-time
+   buffer broadcast switched off: no collective at all. A rank that fails anywhere in this phase (applying the
+   plan, splitting, forward, backward) catches the error and goes on to
+3. **Agreement A**, one all-reduce (MAX) of a few integers: did any rank fail, in which phase, how large a
+   micro-batch the peak models allow, and can every rank take the optimizer step without a journal. If any rank
+   failed, every rank raises (the failing one its own OOM, the others :class:`PeerOutOfMemory`), and all
+   recover and escalate identically from the agreed figures.
+4. **Gradient all-reduce**, in place (no allocation, so it cannot run out of memory), averaged as DDP does.
+5. **Clip, optimizer step and scheduler step**, journaled unless every rank agreed it can skip the journal,
+   then **agreement B**: if any rank failed, every rank rolls its step back and raises; nobody has stepped.
+6. After a successful step, rank 0's buffers are broadcast (what DDP's next forward would have done).
+
+Every rank runs the same collectives in the same order whatever happened, and the agreement tensor is
+allocated once, up front: agreeing allocates no device memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from oomguard._peers import Outcome
+from oomguard._plan import Plan
+
+__all__ = ["Agreement", "Verdict", "ddp_of", "distributed_active", "quiet_ddp", "unwrap"]
+
+_OUTCOMES: tuple[Outcome, ...] = ("ok", "oom", "fatal")  # ordered: the worst is the largest
+_PHASES = ("forward", "backward", "optimizer", "apply")  # the deepest a failure reached wins the MAX
+_PHASE_CODE = {"split": 0, "forward": 0, "backward": 1, "clip": 2, "optimizer": 2, "scheduler": 2, "apply": 3}
+
+
+def distributed_active() -> bool:
+    """Whether this process is one rank of an initialised process group of two or more."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def ddp_of(model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None:
+    """The DDP wrapper if ``model`` is one."""
+    return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the ranks agreed after forward and backward."""
+
+    outcome: Outcome  # the worst of all ranks
+    phase: str  # the deepest phase any rank failed in
+    journal: bool  # some rank needs a journaled optimizer step
+
+
+class Agreement:
+    """The agreement protocol of one guard: fixed-size all-reduces on a buffer allocated once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        on_device = dist.get_backend() == "nccl"  # NCCL reduces device tensors, gloo host tensors
+        self._buffer = torch.zeros(5, dtype=torch.int64, device=device if on_device else torch.device("cpu"))
+
+    def plan(self, plan: Plan, batch_size: int) -> Plan:
+        """The plan every rank uses: per field, the most conservative of the ranks' choices."""
+        agreed = self._all_max(
+            -plan.effective_micro_batch_size(batch_size),
+            (None, "bf16", "fp16").index(plan.precision),
+            (None, "partial", "full").index(plan.checkpointing),
+            int(plan.activation_offload),
+            plan.offload_layers,
+        )
+        micro = -agreed[0]
+        return Plan(
+            micro_batch_size=None if micro >= batch_size else micro,
+            precision=(None, "bf16", "fp16")[agreed[1]],  # type: ignore[arg-type]
+            checkpointing=(None, "partial", "full")[agreed[2]],  # type: ignore[arg-type]
+            activation_offload=bool(agreed[3]),
+            offload_layers=agreed[4],
+        )
+
+    def after_backward(self, outcome: Outcome, phase: str, journal: bool) -> Verdict:
+        """Agreement A: how every rank's forward and backward went, and whether any needs a journal."""
+        code = _PHASE_CODE.get(phase, 0) if outcome != "ok" else 0
+        agreed = self._all_max(_OUTCOMES.index(outcome), code, int(journal))
+        return Verdict(_OUTCOMES[agreed[0]], _PHASES[agreed[1]], bool(agreed[2]))
+
+    def after_step(self, outcome: Outcome) -> Outcome:
+        """Agreement B: the worst outcome of every rank's clip, optimizer step and scheduler step."""
+        return _OUTCOMES[self._all_max(_OUTCOMES.index(outcome))[0]]
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is True on any (a bound hit on one rank's clock stops them all)."""
+        return bool(self._all_max(int(flag))[0])
+
+    def _all_max(self, *values: int) -> list[int]:
+        buffer = self._buffer
+        with torch.no_grad():
+            buffer.zero_()
+            for index, value in enumerate(values):  # fill_ in place: `buffer[i] = v` would allocate a tensor
+                buffer[index].fill_(value)
+            dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
+        return [int(v) for v in buffer.tolist()[: len(values)]]
+
+    # -- gradients and buffers ------------------------------------------------------------------------
+    def average_gradients(self, params: list[torch.Tensor]) -> None:
+        """All-reduce every gradient in place and divide by the world size, as DDP does."""
+        with torch.no_grad():
+            works = [dist.all_reduce(p.grad, async_op=True) for p in params if p.grad is not None]
+            for work in works:
+                if work is not None:
+                    work.wait()
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(self.world)
+
+    def broadcast_buffers(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Rank 0's buffers to every rank, in place (DDP's forward-time broadcast, done at a safe point)."""
+        if not getattr(ddp, "broadcast_buffers", False):
+            return
+        with torch.no_grad():
+            for buffer in ddp.module.buffers():
+                dist.broadcast(buffer, src=0)
+
+
+@contextlib.contextmanager
+def quiet_ddp(ddp: torch.nn.parallel.DistributedDataParallel | None) -> Iterator[None]:
+    """DDP with no collective inside forward or backward: ``no_sync()``, and no forward buffer broadcast."""
+    if ddp is None:
+        yield
+        return
+    ddp.require_forward_param_sync = False  # the same known state on every rank, whatever failed before
+    with ddp.no_sync():
+        yield
+    ddp.require_forward_param_sync = False
+
+
+def unwrap(model: torch.nn.Module) -> Any:
+    """The module inside DDP (and similar wrappers with ``.module``)."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) and ddp_of(model) is not None else model

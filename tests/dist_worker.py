@@ -1,0 +1,107 @@
+"""One rank of a two-rank gloo job, run by tests/test_distributed.py as ``python dist_worker.py RANK WORLD PORT OUT``.
+
+Each rank trains the same MLP under DDP on its half of every global batch, on its own SimulatedGPU. Rank 1 has
+a smaller budget (the whole batch does not fit there, so both ranks must agree on micro-batches from step 0) and
+runs out of memory on purpose in the forward of step 1, in the backward of step 2, in the optimizer step of step
+3 and in the optimizer step of step 0 (Adam's lazy first step). Rank 0 writes what it saw; both write weights.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import make_mlp, tuple_batch
+
+from oomguard import OOMGuard
+from oomguard.testing import SimulatedGPU
+
+STEPS = 5
+GLOBAL_BATCH = 32
+EPS = 1e-3  # Adam's update of a gradient near zero amplifies float rounding; a larger eps keeps it tame
+FAULTS = {0: "optimizer", 1: "forward", 2: "backward", 3: "optimizer"}  # on rank 1: step -> phase
+
+
+def batches(rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of each global batch (rows rank, rank + world, ...)."""
+    out = []
+    for step in range(STEPS):
+        x, y = tuple_batch(n=GLOBAL_BATCH, seed=100 + step)
+        out.append((x[rank::world].contiguous(), y[rank::world].contiguous()))
+    return out
+
+
+def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if mode == "hang":  # the harness's own check: rank 1 never joins the collective, rank 0 waits forever
+        if rank == 0:
+            dist.barrier()
+        else:
+            time.sleep(3600)
+        return
+    model = make_mlp(width=512)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2, eps=EPS)
+    gpu = SimulatedGPU("4MiB" if rank == 0 else "400KiB")
+    step_index = [0]
+
+    def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        out = ddp(x).squeeze(-1)
+        loss = torch.nn.functional.mse_loss(out, y)
+        if rank == 1 and FAULTS.get(step_index[0]) == "backward" and not armed["backward"]:
+            armed["backward"] = True
+            loss.register_hook(lambda grad: gpu.fail_allocation(2))  # inside this rank's backward
+        return loss
+
+    def forward_fault(module: torch.nn.Module, args: Any) -> None:
+        if rank == 1 and FAULTS.get(step_index[0]) == "forward" and not armed["forward"]:
+            armed["forward"] = True
+            gpu.fail_allocation(1)
+
+    def optimizer_fault(*_: Any) -> None:
+        if rank == 1 and FAULTS.get(step_index[0]) == "optimizer" and not armed[f"optimizer{step_index[0]}"]:
+            armed[f"optimizer{step_index[0]}"] = True
+            gpu.fail_allocation(1)
+
+    armed = dict.fromkeys(["forward", "backward", "optimizer0", "optimizer3"], False)
+    model.register_forward_pre_hook(forward_fault)
+    optimizer.register_step_pre_hook(optimizer_fault)
+    # A fault armed inside the optimizer step is one nobody could foresee when the ranks agreed whether to
+    # journal the step. "run" journals every step, so it is undone on every rank; "fast" lets steady-state
+    # steps skip the journal, and then every rank must stop with the same StepRollbackError, none hanging.
+    journal = "always" if mode == "run" else "auto"
+    guard = OOMGuard(train_step, model=ddp, optimizer=optimizer, log_file=out / "events.jsonl", step_journal=journal)
+    report: dict[str, Any] = {"steps": []}
+    with gpu:
+        gpu.adopt(model)
+        for step, batch in enumerate(batches(rank, world)):
+            step_index[0] = step
+            try:
+                result = guard(batch)
+            except Exception as error:  # "fast" mode: reported, and the job stops on every rank alike
+                report["error"] = {"step": step, "type": type(error).__name__}
+                break
+            report["steps"].append({"plan": result.plan.to_dict(), "ooms": result.ooms, "loss": result.loss})
+        agreement = guard._runner.agreement
+        assert agreement is not None
+        before = gpu.allocations
+        agreement.after_step("ok")
+        agreement.after_backward("ok", "backward", journal=False)
+        report["agreement_allocations"] = gpu.allocations - before
+    report["faults_fired"] = armed
+    report["adam_steps"] = [int(optimizer.state[p]["step"]) for p in model.parameters()]
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"weights{rank}.pt")
+    (out / f"report{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5])

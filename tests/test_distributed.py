@@ -1,0 +1,118 @@
+"""Two gloo ranks on CPU, each on its own SimulatedGPU, where only one rank runs out of memory.
+
+Every scenario runs under a hard timeout: a rank that hangs is killed with its whole process group, and the test
+fails rather than wait. See tests/dist_worker.py for what each rank does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_mlp, tuple_batch
+
+WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def launch(out: Path, mode: str, timeout: float) -> tuple[list[int | None], bool]:
+    """Run both ranks; (their exit codes, whether they had to be killed). Nothing is left running."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rank), str(WORLD), str(port), str(out), mode],
+            stdout=(out / f"rank{rank}.log").open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, so a hung rank and its children die together
+            env=env,
+        )
+        for rank in range(WORLD)
+    ]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(rank.poll() is None for rank in ranks):
+        time.sleep(0.2)
+    hung = any(rank.poll() is None for rank in ranks)
+    for rank in ranks:
+        if rank.poll() is None:
+            os.killpg(rank.pid, signal.SIGKILL)
+        rank.wait(timeout=30)
+    return [rank.returncode for rank in ranks], hung
+
+
+def reports(out: Path) -> list[dict[str, Any]]:
+    return [json.loads((out / f"report{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def agreed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    codes, hung = launch(out, "run", timeout=180)
+    logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD))
+    assert not hung, f"a rank hung and was killed:\n{logs}"
+    assert codes == [0, 0], logs
+    return out
+
+
+def test_every_rank_recovers_and_both_report_the_same_plans(agreed_run: Path) -> None:
+    rank0, rank1 = reports(agreed_run)
+    assert rank1["faults_fired"] == {"forward": True, "backward": True, "optimizer0": True, "optimizer3": True}
+    assert not any(rank0["faults_fired"].values()), "only rank 1 ran out of memory"
+    assert [s["plan"] for s in rank0["steps"]] == [s["plan"] for s in rank1["steps"]]
+    assert [s["ooms"] for s in rank0["steps"]] == [s["ooms"] for s in rank1["steps"]]
+    assert all(s["ooms"] >= 1 for s in rank0["steps"][:4]), "rank 0 retried every time rank 1 failed"
+    assert rank0["adam_steps"] == rank1["adam_steps"] == [5, 5, 5, 5], "one optimizer step per call, no more"
+    # Rank 1's lines say it ran out of memory; rank 0's say a peer did.
+    rank0_events = [json.loads(line) for line in (agreed_run / "events.jsonl").read_text().splitlines()]
+    rank1_events = [json.loads(line) for line in (agreed_run / "events.rank1.jsonl").read_text().splitlines()]
+    assert {e["error"]["error_type"] for e in rank0_events if e["event"] == "oom"} == {"PeerOutOfMemory"}
+    assert "OutOfMemoryError" in {e["error"]["error_type"] for e in rank1_events if e["event"] == "oom"}
+
+
+def test_replicas_are_identical_and_equal_a_single_process_run(agreed_run: Path) -> None:
+    weights = [torch.load(agreed_run / f"weights{rank}.pt") for rank in range(WORLD)]
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), f"{name} differs between the ranks"
+    reference = make_mlp(width=512)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-3)
+    for step in range(5):  # the same global batches, whole: DDP's average of equal halves is their mean
+        x, y = tuple_batch(n=32, seed=100 + step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(reference(x).squeeze(-1), y).backward()
+        optimizer.step()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(weights[0][name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_the_agreement_allocates_no_device_memory(agreed_run: Path) -> None:
+    assert [r["agreement_allocations"] for r in reports(agreed_run)] == [0, 0]
+
+
+def test_an_unforeseeable_fault_in_an_unjournaled_step_stops_every_rank_alike(tmp_path: Path) -> None:
+    codes, hung = launch(tmp_path, "fast", timeout=180)
+    assert not hung and codes == [0, 0]
+    errors = [r["error"] for r in reports(tmp_path)]
+    assert errors == [{"step": 3, "type": "StepRollbackError"}] * 2
+
+
+def test_a_hung_rank_is_killed_not_left_behind(tmp_path: Path) -> None:
+    started = time.monotonic()
+    codes, hung = launch(tmp_path, "hang", timeout=15)
+    assert hung, "rank 0 waits in a barrier rank 1 never joins"
+    assert time.monotonic() - started < 60
+    assert codes == [-signal.SIGKILL, -signal.SIGKILL], "both ranks were killed by the harness"
