@@ -65,6 +65,7 @@ def oom_guard(
     bucket: Callable[[Any], int] = ...,
     log_every: int | None = ...,
     fix_fragmentation: bool = ...,
+    accelerator: Any = ...,
 ) -> GuardedStep[BatchT]: ...
 
 
@@ -91,6 +92,7 @@ def oom_guard(
     bucket: Callable[[Any], int] = ...,
     log_every: int | None = ...,
     fix_fragmentation: bool = ...,
+    accelerator: Any = ...,
 ) -> Callable[[Callable[[BatchT], Any]], GuardedStep[BatchT]]: ...
 
 
@@ -116,6 +118,7 @@ def oom_guard(
     bucket: Callable[[Any], int] = batch_bucket,
     log_every: int | None = 10,
     fix_fragmentation: bool = False,
+    accelerator: Any = None,
 ) -> GuardedStep[BatchT] | Callable[[Callable[[BatchT], Any]], GuardedStep[BatchT]]:
     """Guard a forward-only training step against out-of-memory errors.
 
@@ -153,6 +156,9 @@ def oom_guard(
             ``oomguard report``; ``None``: only OOM-related events.
         fix_fragmentation: when an OOM shows allocator fragmentation on CUDA, switch the allocator to
             ``expandable_segments:True`` (otherwise the event only recommends it).
+        accelerator: a Hugging Face ``accelerate.Accelerator``: backward and clipping go through it (its loss
+            scaling included), and its mixed precision replaces the amp rung. Pass the prepared model and
+            optimizer.
 
     Returns:
         A :class:`GuardedStep`: call it with a batch to get a :class:`StepResult`; ``.guard`` is the
@@ -187,6 +193,7 @@ def oom_guard(
         "bucket": bucket,
         "log_every": log_every,
         "fix_fragmentation": fix_fragmentation,
+        "accelerator": accelerator,
     }
 
     def decorate(step_fn: Callable[[BatchT], Any]) -> GuardedStep[BatchT]:

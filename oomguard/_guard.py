@@ -145,6 +145,8 @@ class OOMGuard:
         bucket: Callable[[Any], int] = batch_bucket,
         log_every: int | None = 10,
         fix_fragmentation: bool = False,
+        accelerator: Any = None,
+        _steps: bool = True,
     ) -> None:
         validate(model, optimizer, scheduler, max_grad_norm, reduction, max_attempts, max_recovery_seconds)
         if step_journal not in ("auto", "always", "never"):
@@ -165,6 +167,7 @@ class OOMGuard:
             num_blocks=len(blocks),
             bf16_supported=bf16_supported(self._device),
             checkpointed=user_checkpointing(core),
+            amp_available=accelerator is None or getattr(accelerator, "mixed_precision", "no") == "no",
         )
         self.effects = Effects(core, optimizer, blocks)
         self._runner = StepRunner(
@@ -178,6 +181,8 @@ class OOMGuard:
             item_counter=count_items or default_item_counter(model),
             reduction=reduction,
             ddp=self._ddp,
+            accelerator=accelerator,
+            steps=_steps,
         )
         self._log_file = log_file
         self._sinks: list[EventSink] = list(sinks)
@@ -188,6 +193,7 @@ class OOMGuard:
         self._fix_fragmentation = fix_fragmentation
         self._grad_bytes = grad_bytes(core)
         self._started = False
+        self._last_bucket: int | None = None
         self._last_plan = Plan()
         self._plan_rung: str | None = None
         self._steps = 0
@@ -290,10 +296,76 @@ class OOMGuard:
             if agreed != choice.plan:
                 choice = dataclasses.replace(choice, plan=agreed, relaxing=False, fallback=None)
         call = _Call(batch, size, backend, choice, choice.plan, per_sample)
+        self._last_bucket = choice.bucket
         result = self._retrying(self._attempt, call)
         if not isinstance(result, StepResult):  # tenacity returns a failure only through _give_up, which raises
             raise AssertionError(f"unexpected attempt outcome {result!r}")
         return result
+
+    def protected_step(self, run: Callable[[], None], replay: Callable[[], None]) -> None:
+        """An optimizer step driven from outside the guard (the Trainer's), made undoable and recoverable.
+
+        ``run`` steps the optimizer; on an OOM it is undone, the guard recovers one rung down (the phase is the
+        optimizer step, so the ladder skips to what relieves it), ``replay`` recomputes the gradients of the same
+        batch on the new plan, and the step runs again: still exactly one committed step.
+        """
+        backend = current_backend(self._device)
+        tried: list[tuple[Plan, FailureSummary]] = []
+        for attempt in range(1, self._max_attempts + 1):
+            started = time.perf_counter()
+            try:
+                self.transaction.step(backend, run=run)
+                return
+            except Exception as exc:
+                if isinstance(exc, OOMGuardError) or not is_oom(exc):
+                    raise
+                summary = FailureSummary.from_exception(exc, "optimizer", 0, snapshot(backend))
+            # Outside the except block: the exception and its frames are gone.
+            plan = self._last_plan
+            self._runner.zero_grad()
+            gc.collect()
+            backend.empty_cache()
+            tried.append((plan, summary))
+            seconds = time.perf_counter() - started
+            self._ooms += 1
+            self._seconds_lost += seconds
+            memory = snapshot(backend)
+            self._emit(
+                OOMEvent(
+                    self._steps, plan.to_dict(), summary.memory, attempt, self._plan_rung, summary, memory, seconds
+                )
+            )
+            context = dataclasses.replace(
+                self._rung_context, batch_size=1, phase="optimizer", can_offload=backend.offloads
+            )
+            cheaper = self.ladder.next(plan, context)
+            if cheaper is None or self._last_bucket is None:
+                raise LadderExhausted(
+                    f"oomguard: the optimizer step ran out of memory on every plan ({len(tried)} tried); the model "
+                    f"and optimizer are unchanged. Lower the batch size, add layer_offload to ladder=, or use a "
+                    f"smaller model or a larger GPU.",
+                    step=self._steps,
+                    tried=tuple(tried),
+                    memory=memory,
+                )
+            rung, new_plan = cheaper
+            self._book.escalated(self._last_bucket, new_plan)
+            self._last_plan, self._plan_rung = new_plan, rung.name
+            self._fallbacks[rung.name] += 1
+            self._emit(
+                FallbackEvent(
+                    self._steps, new_plan.to_dict(), memory, rung.name, plan.to_dict(), summary.memory,
+                    f"{plan.describe()} -> {new_plan.describe()}",
+                )
+            )  # fmt: skip
+            replay()
+        raise RecoveryLimitExceeded(
+            f"oomguard: the bound of {self._max_attempts} attempts was reached for one optimizer step; the model "
+            f"and optimizer are unchanged. Raise max_attempts= or lower the batch size.",
+            step=self._steps,
+            tried=tuple(tried),
+            memory=snapshot(backend),
+        )
 
     def _predict(self, plan: Plan, backend: MemoryBackend, per_sample: float) -> int | None:
         """The largest micro-batch the peak model predicts for ``plan`` on ``backend`` now, if it can tell."""

@@ -162,6 +162,12 @@ class PlanBook:
             self._save()
         return changed
 
+    def escalated(self, bucket: int, plan: Plan) -> None:
+        """``plan`` replaces the bucket's plan outside a call (an OOM in an optimizer step someone else drives)."""
+        state = self._buckets[bucket]
+        state.plan, state.clean, state.wait = plan, 0, self._initial_wait()
+        self._save()
+
     def relax_failed(self, choice: Choice) -> Plan:
         """A try at a cheaper plan ran out of memory: back to the bucket's plan, and wait twice as long."""
         state = self._buckets[choice.bucket]

@@ -53,6 +53,8 @@ class RungContext:
     checkpointed: bool = False
     #: The largest micro-batch predicted to fit on the failing configuration (predictive sizing), if known.
     max_micro_batch: int | None = None
+    #: False when mixed precision is someone else's (Accelerate's): the amp rung then has nothing to give.
+    amp_available: bool = True
 
 
 _ACTIVATIONS = frozenset({"split", "forward", "backward"})
@@ -104,7 +106,7 @@ class Amp:
     relieves: frozenset[str] = _ACTIVATIONS
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        if plan.precision is not None:
+        if plan.precision is not None or not context.amp_available:
             return None
         dtype: Precision = self.dtype or ("bf16" if context.bf16_supported else "fp16")
         return plan.replace(precision=dtype)

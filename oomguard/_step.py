@@ -93,6 +93,8 @@ class StepRunner:
         reduction: Reduction,
         agreement: Agreement | None = None,
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
+        accelerator: Any = None,
+        steps: bool = True,
     ) -> None:
         self.step_fn = step_fn
         self.model = model
@@ -105,6 +107,8 @@ class StepRunner:
         self.reduction = reduction
         self.agreement = agreement
         self.ddp = ddp
+        self.accelerator = accelerator  # Hugging Face Accelerate: its backward (loss scaling) and clipping
+        self.steps = steps  # False: forward and backward only, the caller steps (the Trainer integration)
         self.verdict: Verdict | None = None  # what the ranks agreed after this attempt's backward
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.phase = "forward"
@@ -146,6 +150,11 @@ class StepRunner:
         done = False
         try:
             micro_batches, total = self._accumulate(batch, size, plan, backend, scaler)
+            if not self.steps:  # the gradients are the caller's now
+                done = True
+                micro = plan.effective_micro_batch_size(size)
+                loss_value = float(total) if total is not None else float("nan")
+                return AttemptOutput(loss_value, None, micro_batches, micro, self.base, backend.max_memory_allocated())
             grad_norm = self._clip(scaler)
             self.phase = "optimizer"
             agree = self.agreement.after_step if self.agreement is not None else None
@@ -205,11 +214,17 @@ class StepRunner:
                 loss = loss_of(self.step_fn(part))
             self.phase = "backward"
             weighted = loss if weight == 1.0 else loss * weight
-            (scaler.scale(weighted) if scaler is not None else weighted).backward()  # type: ignore[no-untyped-call]
+            self._backward(scaler.scale(weighted) if scaler is not None else weighted)
             contribution = loss.detach().float() * weight
             total = contribution if total is None else total + contribution
             del loss, weighted  # drop the graph's last references before the next micro-batch's forward
         return len(parts), total
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.accelerator is not None:
+            self.accelerator.backward(loss)  # scales the loss where Accelerate runs fp16
+        else:
+            loss.backward()  # type: ignore[no-untyped-call]
 
     def _clip(self, scaler: torch.amp.GradScaler | None) -> float | None:
         """Clip the whole batch's gradient norm; a failure here is agreed like a failed optimizer step."""
@@ -219,6 +234,8 @@ class StepRunner:
         try:
             if scaler is not None:
                 scaler.unscale_(self.optimizer)
+            if self.accelerator is not None:  # unscales first where Accelerate scales the loss
+                return float(self.accelerator.clip_grad_norm_(self._params, self.max_grad_norm))
             return float(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
         except Exception as exc:
             if self.agreement is not None:  # the other ranks are about to agree after their step

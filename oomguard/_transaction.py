@@ -100,6 +100,7 @@ class OptimizerTransaction:
         *,
         agree: Agree | None = None,
         allow_fast: bool = True,
+        run: Callable[[], None] | None = None,
     ) -> None:
         """Run ``optimizer.step()`` (through ``scaler`` if given), then ``scheduler.step()``.
 
@@ -107,11 +108,12 @@ class OptimizerTransaction:
         failed attempt's ``scaler`` is simply discarded by its owner. Under distributed training ``agree``
         tells the other ranks how the step went and returns the worst outcome of all ranks (``"ok"``,
         ``"oom"`` or ``"fatal"``); if another rank failed, this rank's step is undone too. ``allow_fast=False``
-        forces the journal (some rank may need to undo).
+        forces the journal (some rank may need to undo). ``run`` replaces the step itself (an integration that
+        steps through its own wrapper, such as Accelerate's optimizer).
         """
         params = self._params()
         before = backend.memory_allocated()
-        run = self._runner(scheduler, scaler)
+        run = run or self._runner(scheduler, scaler)
         if allow_fast and self._may_skip_journal(backend, params):
             self._host.clear()
             self._fast_step(params, run, agree)

@@ -1,0 +1,155 @@
+"""The Hugging Face Trainer and Accelerate with the guard: recovery without changing what is trained."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_llama, make_mlp, mse_step, tuple_batch
+
+from oomguard import GuardConfigError, oom_guard
+from oomguard.testing import SimulatedGPU
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+
+class RaggedText(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """32 sequences of 24 tokens, the last few of each labelled -100 (ragged padding)."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1, 64, (32, 24), generator=generator)
+        self.lengths = torch.randint(6, 25, (32,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        labels = self.ids[index].clone()
+        labels[int(self.lengths[index]) :] = -100
+        return {"input_ids": self.ids[index], "labels": labels}
+
+
+def training_args(folder: Path, **overrides: Any) -> Any:
+    settings: dict[str, Any] = {
+        "output_dir": str(folder),
+        "per_device_train_batch_size": 16,
+        "max_steps": 4,
+        "use_cpu": True,
+        "report_to": [],
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "seed": 0,
+        "learning_rate": 1e-3,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        # Plain (not fused) AdamW: its step allocates temporaries, so an OOM can strike inside it. The fused
+        # kernel the Trainer picks by default allocates nothing once Adam's state exists.
+        "optim": "adamw_torch",
+        **overrides,
+    }
+    return transformers.TrainingArguments(**settings)
+
+
+def train_plain(folder: Path) -> tuple[torch.nn.Module, Any]:
+    model = make_llama(layers=2, hidden=64)
+    trainer = transformers.Trainer(model=model, args=training_args(folder), train_dataset=RaggedText())
+    trainer.train()
+    return model, trainer
+
+
+def test_the_trainer_recovers_and_trains_exactly_what_the_plain_trainer_trains(tmp_path: Path) -> None:
+    from oomguard.integrations.transformers import OOMGuardTrainer
+
+    reference, plain = train_plain(tmp_path / "plain")
+    model = make_llama(layers=2, hidden=64)
+    armed: list[bool] = []
+
+    class FaultInTheOptimizerStep(transformers.TrainerCallback):  # type: ignore[misc]
+        """Once, right before the third optimizer step (Adam's state exists by then): its next allocation fails."""
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 2 and not armed:
+                armed.append(True)
+                gpu.fail_allocation(1)
+
+    trainer = OOMGuardTrainer(
+        model=model,
+        args=training_args(tmp_path / "guarded"),
+        train_dataset=RaggedText(),
+        callbacks=[FaultInTheOptimizerStep()],
+    )
+    with SimulatedGPU("3MiB") as gpu:
+        gpu.adopt(model)
+        trainer.train()
+    summary = trainer.oomguard.summary()
+    assert summary.ooms >= 2 and "micro_batch" in summary.fallbacks, "the batch did not fit: micro-batches"
+    assert armed, "the optimizer step ran out of memory once"
+    assert any(e.kind == "oom" and e.error.phase == "optimizer" for e in trainer.oomguard.events)  # type: ignore[attr-defined]
+    assert trainer.state.global_step == plain.state.global_step == 4, "no step lost, none repeated"
+    steps = {int(s["step"]) for s in trainer.optimizer.state.values() if "step" in s}
+    assert steps == {4}, "Adam stepped exactly once per global step"
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    reference_losses = [entry["loss"] for entry in plain.state.log_history if "loss" in entry]
+    assert losses == pytest.approx(reference_losses, rel=1e-5), "token-weighted losses stay exact"
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):  # (Adam amplifies rounding a little)
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=5e-5)
+
+
+def test_the_trainer_refuses_its_own_gradient_accumulation(tmp_path: Path) -> None:
+    from oomguard.integrations.transformers import OOMGuardTrainer
+
+    with pytest.raises(GuardConfigError, match="gradient_accumulation_steps=1"):
+        OOMGuardTrainer(
+            model=make_llama(), args=training_args(tmp_path, gradient_accumulation_steps=2), train_dataset=RaggedText()
+        )
+
+
+def test_accelerate_backward_is_used_and_training_matches_a_plain_loop() -> None:
+    from accelerate import Accelerator
+
+    def run(guarded: bool) -> tuple[torch.nn.Module, int]:
+        accelerator = Accelerator(cpu=True)
+        model = make_mlp(width=256)
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        batches = [tuple_batch(n=128, seed=s) for s in range(3)]
+        if not guarded:
+            for batch in batches:
+                loss = mse_step(model)(batch)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            return model, 0
+        calls: list[torch.Tensor] = []
+        real_backward = accelerator.backward
+        accelerator.backward = lambda loss, **kw: (calls.append(loss), real_backward(loss, **kw))[1]  # type: ignore[method-assign]
+        step = oom_guard(mse_step(model), model=model, optimizer=optimizer, accelerator=accelerator)
+        with SimulatedGPU("256KiB") as gpu:
+            gpu.adopt(model)
+            results = [step(batch) for batch in batches]
+        # Every micro-batch of every successful attempt (and those of failed attempts) went through Accelerate.
+        assert len(calls) >= sum(r.micro_batches for r in results) > len(results)
+        return model, sum(r.ooms for r in results)
+
+    reference, _ = run(guarded=False)
+    model, ooms = run(guarded=True)
+    assert ooms >= 1
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_the_trainer_integration_needs_no_change_to_the_model(tmp_path: Path) -> None:
+    from oomguard.integrations.transformers import OOMGuardTrainer
+
+    model = make_llama(layers=2, hidden=64)
+    before = copy.deepcopy(model.state_dict())
+    trainer = OOMGuardTrainer(model=model, args=training_args(tmp_path, max_steps=1), train_dataset=RaggedText())
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), "it trained"
+    with pytest.raises(GuardConfigError, match="sets"):
+        OOMGuardTrainer(model=model, args=training_args(tmp_path), oomguard={"model": model})
