@@ -24,6 +24,7 @@ def validate(
         raise GuardConfigError(f"model= must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise GuardConfigError(f"optimizer= must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    _refuse_sharded(model)
     model_params = {id(p) for p in model.parameters()}
     if not model_params:
         raise GuardConfigError(
@@ -48,6 +49,18 @@ def validate(
         raise GuardConfigError(f"max_attempts must be an int >= 1, got {max_attempts!r}")
     if max_recovery_seconds is not None and not max_recovery_seconds > 0:
         raise GuardConfigError(f"max_recovery_seconds must be positive or None, got {max_recovery_seconds!r}")
+
+
+def _refuse_sharded(model: torch.nn.Module) -> None:
+    """FSDP (1 and 2) gathers and frees parameters inside forward and backward with collectives the guard
+    cannot agree around yet; refuse it up front instead of risking a hang after an OOM."""
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind == "FullyShardedDataParallel" or kind.startswith("FSDP"):
+            raise GuardConfigError(
+                f"the model contains {kind}: FSDP is not supported by oomguard yet (an OOM inside its sharded "
+                f"collectives could hang the other ranks). Use DistributedDataParallel, or run without the guard"
+            )
 
 
 def check_optional_positive_int(name: str, value: int | None, allow_zero: bool = False) -> None:

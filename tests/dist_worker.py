@@ -100,6 +100,7 @@ def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
     report["adam_steps"] = [int(optimizer.state[p]["step"]) for p in model.parameters()]
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"weights{rank}.pt")
     (out / f"report{rank}.json").write_text(json.dumps(report))
+    dist.barrier()  # tearing gloo down while a peer still talks can abort the process
     dist.destroy_process_group()
 
 

@@ -5,14 +5,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def _load(name: str):  # type: ignore[no-untyped-def]
+def _load(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -26,3 +31,34 @@ def test_plain_loop_example_trains_and_recovers(tmp_path: Path, monkeypatch: pyt
     assert math.isfinite(loss)
     events = [json.loads(line)["event"] for line in (tmp_path / "plain_loop.jsonl").read_text().splitlines()]
     assert "fallback" in events and "recovered" in events
+
+
+def test_hf_trainer_example_trains_and_recovers(tmp_path: Path) -> None:
+    trainer = _load("hf_trainer").main(steps=2, output_dir=str(tmp_path / "out"))
+    assert trainer.state.global_step == 2
+    assert trainer.oomguard.summary().ooms >= 1
+    assert (tmp_path / "out" / "oomguard.jsonl").exists()
+
+
+def test_accelerate_example_trains_and_recovers(capsys: pytest.CaptureFixture[str]) -> None:
+    loss = _load("accelerate_loop").main(steps=2)
+    assert math.isfinite(loss)
+    assert "micro_batch x" in capsys.readouterr().out
+
+
+def test_ddp_example_under_torchrun_keeps_the_replicas_identical(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(EXAMPLES / "ddp_torchrun.py"), "--steps", "2"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
+    )
+    try:
+        output, _ = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # a hung rank is killed with its whole group, not left behind
+        process.communicate()
+        pytest.fail("the torchrun example hung")
+    assert process.returncode == 0, output[-3000:]
+    assert "replicas identical: True" in output
+    assert "OOM(s) caught" in output
