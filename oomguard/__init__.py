@@ -39,6 +39,8 @@ from oomguard._events import (
 from oomguard._guard import OOMGuard
 from oomguard._memory import MemorySnapshot
 from oomguard._plan import Plan
+from oomguard._plan_api import plan
+from oomguard._planner import Candidate, PlanReport
 from oomguard._results import GuardSummary, StepResult
 from oomguard._rungs import ActivationOffload, Amp, Checkpointing, LayerOffload, MicroBatch, Rung, RungContext
 
@@ -48,6 +50,7 @@ __all__ = [
     "ActivationOffload",
     "Amp",
     "BatchSplitError",
+    "Candidate",
     "Checkpointing",
     "Event",
     "ExhaustedEvent",
@@ -66,6 +69,7 @@ __all__ = [
     "OOMGuard",
     "OOMGuardError",
     "Plan",
+    "PlanReport",
     "ProgressEvent",
     "RecoveredEvent",
     "RecoveryLimitExceeded",
@@ -78,5 +82,6 @@ __all__ = [
     "is_fatal_device_error",
     "is_oom",
     "oom_guard",
+    "plan",
     "split_batch",
 ]

@@ -33,7 +33,51 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("log", help="the event log written with log_file=")
     report.add_argument("--plot", metavar="FILE.png", help="also draw memory over steps to this PNG")
     report.set_defaults(run=_run_report)
+    plan = commands.add_parser(
+        "plan",
+        help="will this model train on a GPU of this size, and with which fallbacks? (a dry run, no GPU needed)",
+        description="Run one training step of a causal LM on fake tensors (no weights, no GPU, no memory) for "
+        "each plan along the ladder, and recommend the cheapest plan that fits the GPU.",
+    )
+    plan.add_argument("--model", required=True, help="a preset (" + ", ".join(_presets()) + ") or a config.json")
+    plan.add_argument("--gpu-memory", default="6GiB", help="the GPU's total memory, e.g. 6GiB (default: 6GiB)")
+    plan.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step (default: 8)")
+    plan.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default: 1024)")
+    plan.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default: adamw")
+    plan.add_argument("--max-grad-norm", type=float, default=None, help="plan with gradient clipping")
+    plan.add_argument(
+        "--target",
+        choices=("cuda", "simulated"),
+        default="cuda",
+        help="cuda adds the device overhead (context, workspaces, allocator) to each peak; simulated plans for "
+        "oomguard.testing.SimulatedGPU (default: cuda)",
+    )
+    plan.add_argument("--no-bf16", dest="bf16", action="store_false", help="the GPU has no bf16 (before Ampere)")
+    plan.add_argument("--json", action="store_true", help="print the answer as JSON")
+    plan.set_defaults(run=_run_plan)
     return parser
+
+
+def _presets() -> list[str]:
+    from oomguard._presets import PRESETS
+
+    return list(PRESETS)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from oomguard._plan_api import plan
+
+    try:
+        report = plan(
+            args.model, gpu_memory=args.gpu_memory, batch_size=args.batch_size, seq_len=args.seq_len,
+            optimizer=args.optimizer, target=args.target, bf16=args.bf16, max_grad_norm=args.max_grad_norm,
+        )  # fmt: skip
+    except ValueError as error:
+        raise SystemExit(f"oomguard plan: {error}") from error
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
+    return 0 if report.fits else 1
 
 
 def _run_report(args: argparse.Namespace) -> int:

@@ -66,6 +66,7 @@ def oom_guard(
     log_every: int | None = ...,
     fix_fragmentation: bool = ...,
     accelerator: Any = ...,
+    preplan: bool = ...,
 ) -> GuardedStep[BatchT]: ...
 
 
@@ -93,6 +94,7 @@ def oom_guard(
     log_every: int | None = ...,
     fix_fragmentation: bool = ...,
     accelerator: Any = ...,
+    preplan: bool = ...,
 ) -> Callable[[Callable[[BatchT], Any]], GuardedStep[BatchT]]: ...
 
 
@@ -119,6 +121,7 @@ def oom_guard(
     log_every: int | None = 10,
     fix_fragmentation: bool = False,
     accelerator: Any = None,
+    preplan: bool = False,
 ) -> GuardedStep[BatchT] | Callable[[Callable[[BatchT], Any]], GuardedStep[BatchT]]:
     """Guard a forward-only training step against out-of-memory errors.
 
@@ -159,6 +162,10 @@ def oom_guard(
         accelerator: a Hugging Face ``accelerate.Accelerator``: backward and clipping go through it (its loss
             scaling included), and its mixed precision replaces the amp rung. Pass the prepared model and
             optimizer.
+        preplan: before the first step, run the dry-run planner (:func:`oomguard.plan`'s engine) on fake
+            copies of the model and the first batch, and start on the cheapest plan predicted to fit, so a job
+            that would run out of memory starts on a fitting plan without a single OOM. Ignored when a state
+            file already holds a plan, and under torch.distributed. Costs seconds, once.
 
     Returns:
         A :class:`GuardedStep`: call it with a batch to get a :class:`StepResult`; ``.guard`` is the
@@ -194,6 +201,7 @@ def oom_guard(
         "log_every": log_every,
         "fix_fragmentation": fix_fragmentation,
         "accelerator": accelerator,
+        "preplan": preplan,
     }
 
     def decorate(step_fn: Callable[[BatchT], Any]) -> GuardedStep[BatchT]:

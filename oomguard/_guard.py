@@ -146,6 +146,7 @@ class OOMGuard:
         log_every: int | None = 10,
         fix_fragmentation: bool = False,
         accelerator: Any = None,
+        preplan: bool = False,
         _steps: bool = True,
     ) -> None:
         validate(model, optimizer, scheduler, max_grad_norm, reduction, max_attempts, max_recovery_seconds)
@@ -191,6 +192,7 @@ class OOMGuard:
         self._bucket = bucket
         self._log_every = log_every
         self._fix_fragmentation = fix_fragmentation
+        self._step_fn, self._max_grad_norm, self._preplan = step_fn, max_grad_norm, preplan
         self._grad_bytes = grad_bytes(core)
         self._started = False
         self._last_bucket: int | None = None
@@ -267,8 +269,8 @@ class OOMGuard:
         )
 
     # -- the loop ---------------------------------------------------------------------------------------
-    def _start(self, backend: MemoryBackend) -> None:
-        """First call: join the process group if there is one, open the log, load the state file."""
+    def _start(self, backend: MemoryBackend, batch: Any) -> None:
+        """First call: join the process group if there is one, open the log, load the state file, preplan."""
         if self._started:
             return
         self._started = True
@@ -282,12 +284,26 @@ class OOMGuard:
         if self._state_file is not None:  # every rank reads the plans; only rank 0 writes them
             fingerprint = model_fingerprint(unwrap(self.model))
             self._book.load(PlanStore(self._state_file, fingerprint, backend.identity(), writable=rank == 0))
+        if self._preplan and not self._book.plans():  # a remembered plan beats a predicted one
+            self._start_on_planned(backend, batch)
+
+    def _start_on_planned(self, backend: MemoryBackend, batch: Any) -> None:
+        """``preplan=True``: start from the dry-run planner's recommendation for the first batch."""
+        from oomguard._preplan import preplan  # the planner drives a guard of its own
+
+        report = preplan(
+            self._step_fn, batch, model=self.model, optimizer=self.optimizer, backend=backend,
+            ladder=self.ladder.rungs, max_grad_norm=self._max_grad_norm, bf16=self._rung_context.bf16_supported,
+            distributed=self._runner.agreement is not None,
+        )  # fmt: skip
+        if report is not None and report.recommended is not None:
+            self.plan = report.recommended
 
     def __call__(self, batch: Any) -> StepResult:
         """Train on ``batch``: one optimizer step, however many attempts and micro-batches it takes."""
         size = batch_size(batch)  # raises BatchSplitError for a batch that could never be split
         backend = current_backend(self._device)
-        self._start(backend)
+        self._start(backend, batch)
         per_sample = items_per_sample(batch, size)
         choice = self._book.choose(self._bucket(batch), size, lambda plan: self._predict(plan, backend, per_sample))
         agreement = self._runner.agreement

@@ -47,9 +47,14 @@ class _Packed:
     offset: int
 
 
-def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    """The whole storage as a flat uint8 tensor (a view: nothing is copied)."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+def _whole_storage(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The whole storage under ``tensor`` as a flat view of its dtype (nothing is copied); None if it does not
+    divide into elements of that dtype. A view, not ``set_``: fake tensors (the planner's) would keep a storage
+    given to ``set_`` alive for good."""
+    nbytes, itemsize = tensor.untyped_storage().nbytes(), tensor.element_size()
+    if nbytes % itemsize:
+        return None
+    return tensor.detach().as_strided((nbytes // itemsize,), (1,), 0)
 
 
 class ActivationOffloader:
@@ -84,7 +89,10 @@ class ActivationOffloader:
             return tensor
         known = self._copies.get(id(storage))
         if known is None or known[0]() is not storage:
-            copy = _HostCopy(self.backend.to_host(_bytes_of(storage, tensor.device)))
+            whole = _whole_storage(tensor)
+            if whole is None:
+                return tensor
+            copy = _HostCopy(self.backend.to_host(whole))
             known = (weakref.ref(storage), copy)
             self._copies[id(storage)] = known
         return _Packed(
@@ -99,8 +107,8 @@ class ActivationOffloader:
         if device is None:
             device = self.backend.to_device(copy.host)
             copy.device = weakref.ref(device)
-        view = torch.empty(0, dtype=packed.dtype, device=device.device)
-        return view.set_(device.untyped_storage(), packed.offset, packed.size, packed.stride)
+        flat = device if device.dtype == packed.dtype else device.view(packed.dtype)  # another view's dtype
+        return flat.as_strided(packed.size, packed.stride, packed.offset)
 
 
 @dataclass(eq=False)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from oomguard._batch import count_items, split_batch
 from oomguard._detect import is_oom
@@ -153,7 +154,7 @@ class StepRunner:
             if not self.steps:  # the gradients are the caller's now
                 done = True
                 micro = plan.effective_micro_batch_size(size)
-                loss_value = float(total) if total is not None else float("nan")
+                loss_value = _value(total)
                 return AttemptOutput(loss_value, None, micro_batches, micro, self.base, backend.max_memory_allocated())
             grad_norm = self._clip(scaler)
             self.phase = "optimizer"
@@ -164,7 +165,7 @@ class StepRunner:
             if self.agreement is not None and self.ddp is not None:
                 self.agreement.broadcast_buffers(self.ddp)
             self.phase = "done"
-            loss_value = float(total) if total is not None else float("nan")
+            loss_value = _value(total)
             self.zero_grad()
             done = True
             micro = plan.effective_micro_batch_size(size)
@@ -235,12 +236,19 @@ class StepRunner:
             if scaler is not None:
                 scaler.unscale_(self.optimizer)
             if self.accelerator is not None:  # unscales first where Accelerate scales the loss
-                return float(self.accelerator.clip_grad_norm_(self._params, self.max_grad_norm))
-            return float(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
+                return _value(self.accelerator.clip_grad_norm_(self._params, self.max_grad_norm))
+            return _value(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
         except Exception as exc:
             if self.agreement is not None:  # the other ranks are about to agree after their step
                 self.agreement.after_step("oom" if _is_retryable(exc) else "fatal")
             raise
+
+
+def _value(tensor: torch.Tensor | None) -> float:
+    """A scalar's value; NaN for none, and for the fake tensors of a dry run (see oomguard.plan), which have none."""
+    if tensor is None or is_fake(tensor):
+        return float("nan")
+    return float(tensor)
 
 
 def _is_retryable(exc: BaseException) -> bool:

@@ -1,0 +1,109 @@
+"""``oomguard.plan``: will a transformers model train on a device of a given size, and with which fallbacks?"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from oomguard._planner import PlanReport, Target, dry_run
+from oomguard._presets import load_config
+from oomguard._rungs import Rung
+from oomguard.testing import parse_bytes
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = ["OPTIMIZERS", "plan"]
+
+OptimizerName = Literal["adamw", "sgd"]
+#: The optimizers the planner can build: AdamW, and SGD with momentum 0.9 (one state tensor per parameter).
+_ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout")
+OPTIMIZERS: tuple[OptimizerName, ...] = ("adamw", "sgd")
+
+
+def plan(
+    model: str | Path | PretrainedConfig | dict[str, Any],
+    *,
+    gpu_memory: int | str,
+    batch_size: int = 8,
+    seq_len: int = 1024,
+    optimizer: OptimizerName = "adamw",
+    ladder: Iterable[str | Rung] | None = None,
+    target: Target = "cuda",
+    bf16: bool = True,
+    max_grad_norm: float | None = None,
+) -> PlanReport:
+    """Plan a causal LM's training step on a device of ``gpu_memory`` bytes, without a GPU and without weights.
+
+    One training step (forward, backward, optimizer step) runs on fake tensors for every plan along the
+    ladder, until one fits. Takes seconds for a 1B-parameter model on a laptop CPU.
+
+    Args:
+        model: a preset name (see ``oomguard._presets.PRESETS``: ``"tinyllama-1.1b"``, ``"gpt2"``...), the path
+            of a transformers ``config.json`` (or its folder), a config dict with ``model_type``, or a config.
+        gpu_memory: the device's total memory, e.g. ``"6GiB"``.
+        batch_size, seq_len: the batch, in sequences of ``seq_len`` tokens.
+        optimizer: ``"adamw"`` or ``"sgd"`` (with momentum), as ``torch.optim`` runs them on CUDA (foreach).
+        ladder: the guard's ladder (rung names or objects); the default ladder if None.
+        target: ``"cuda"`` adds :func:`oomguard._planner.device_overhead` to every peak; ``"simulated"`` plans
+            for a :class:`~oomguard.testing.SimulatedGPU` of that capacity (no overhead).
+        bf16: whether the device runs bf16 (Ampere and newer); else mixed precision is fp16.
+        max_grad_norm: plan with gradient clipping, as the guard's option of that name.
+
+    >>> report = plan("gpt2", gpu_memory="6GiB", batch_size=2, seq_len=16)
+    >>> report.recommended.describe(2), report.fits
+    ('whole batch', True)
+    """
+    from transformers import AutoModelForCausalLM  # imported when needed: `import oomguard` stays light
+
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if target not in ("cuda", "simulated"):
+        raise ValueError(f"target must be 'cuda' or 'simulated', got {target!r}")
+    capacity = parse_bytes(gpu_memory)
+    config = load_config(model)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if positions is not None and seq_len > positions:
+        raise ValueError(f"seq_len {seq_len} is longer than the model's {positions} positions; plan a shorter one")
+    config.use_cache = False  # training keeps no key/value cache
+    if target == "cuda":  # CUDA's fused attention keeps no dropout mask (it replays the RNG); the CPU's does
+        for field in _ATTENTION_DROPOUT:
+            if hasattr(config, field):
+                setattr(config, field, 0.0)
+    label = model if isinstance(model, str) else getattr(config, "model_type", "model")
+    with FakeTensorMode(), _quiet_transformers():
+        net = AutoModelForCausalLM.from_config(config)
+        net.train()
+        foreach = True if target == "cuda" else None  # torch's default on CUDA
+        opt: torch.optim.Optimizer = (
+            torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=foreach)
+            if optimizer == "adamw"
+            else torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9, foreach=foreach)
+        )
+        ids = torch.zeros((batch_size, seq_len), dtype=torch.long)
+        batch = {"input_ids": ids, "labels": torch.zeros_like(ids)}
+        return dry_run(
+            lambda b: net(**b), batch, model=net, optimizer=opt, capacity=capacity, target=target,
+            label=str(label), ladder=ladder, max_grad_norm=max_grad_norm, bf16=bf16, seq_len=seq_len,
+            optimizer_name="AdamW" if optimizer == "adamw" else "SGD (momentum 0.9)",
+        )  # fmt: skip
+
+
+class _quiet_transformers:
+    """Silence transformers' per-call notices (checkpointing and cache warnings) while planning."""
+
+    def __enter__(self) -> None:
+        self._logger = logging.getLogger("transformers")
+        self._level = self._logger.level
+        self._logger.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.setLevel(self._level)

@@ -1,0 +1,156 @@
+"""``preplan=True``: before the first step, plan the user's own step on fake copies of its model and batch.
+
+The model's parameters and buffers are swapped, in place, for fake tensors of the same shapes (so the user's
+step function, which calls the real model object, runs on them), the optimizer is rebuilt over the fakes with
+the same options, and the batch is faked too. :func:`oomguard._planner.dry_run` then walks the ladder on them
+within the memory that is free for this model; the real tensors are put back before anything else runs.
+Nothing real is computed or allocated on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, cast
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map
+
+from oomguard._memory import MemoryBackend, format_bytes
+from oomguard._planner import CUDA_CONTEXT_BYTES, PlanReport, Target, dry_run
+from oomguard._rungs import Rung
+
+__all__ = ["preplan"]
+
+logger = logging.getLogger("oomguard")
+
+
+def preplan(
+    step_fn: Callable[[Any], Any],
+    batch: Any,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    backend: MemoryBackend,
+    ladder: Iterable[str | Rung] | None,
+    max_grad_norm: float | None,
+    bf16: bool,
+    distributed: bool = False,
+) -> PlanReport | None:
+    """The planner's answer for this step on this device, or None (logged) where it cannot tell."""
+    if distributed:  # the planner's own guard would join the process group's collectives
+        logger.info("preplan: not supported under torch.distributed yet; starting from the plain plan")
+        return None
+    total = backend.total_memory()
+    device = next(model.parameters()).device
+    if total is None or not (backend.tracks_allocations or device.type == "cuda"):
+        logger.info("preplan: no device memory to plan for (%s); starting from the plain plan", device)
+        return None
+    target: Target = "simulated" if backend.tracks_allocations else "cuda"
+    resident = _resident_bytes(backend, model, optimizer)
+    capacity = _limit(total, device, target) - (backend.memory_allocated() - resident)
+    try:
+        report = _dry_run(step_fn, batch, model, optimizer, capacity, target, ladder, max_grad_norm, bf16, device)
+    except Exception as error:  # a step the planner cannot run on fake tensors (one that reads values, say)
+        logger.warning(
+            "preplan: the dry run of this step failed (%s: %s); starting from the plain plan. Steps that read "
+            "tensor values (.item(), printing) cannot be planned on fake tensors.",
+            type(error).__name__,
+            error,
+        )
+        return None
+    if report.recommended is None:
+        logger.warning("preplan: no plan on the ladder fits %s; starting from the plain plan", format_bytes(capacity))
+    else:
+        logger.info(
+            "preplan: starting on %s (predicted peak %s of %s available)",
+            report.recommended.describe(report.batch_size),
+            format_bytes(report.predicted_peak_bytes + report.device_overhead_bytes),
+            format_bytes(capacity),
+        )
+    return report
+
+
+def _limit(total: int, device: torch.device, target: Target) -> int:
+    """The device memory this process may use: a per-process cap set on CUDA applies to tensors only."""
+    if target == "cuda":
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+        if fraction < 1.0:
+            return min(total, int(fraction * total) + CUDA_CONTEXT_BYTES)
+    return total
+
+
+def _resident_bytes(backend: MemoryBackend, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Device bytes held by the model and the optimizer state: the planner measures these itself."""
+    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    storages = {id(t.untyped_storage()): t.untyped_storage() for t in tensors if backend.is_device(t)}
+    return sum(int(s.nbytes()) for s in storages.values())
+
+
+def _dry_run(
+    step_fn: Callable[[Any], Any],
+    batch: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    capacity: int,
+    target: Target,
+    ladder: Iterable[str | Rung] | None,
+    max_grad_norm: float | None,
+    bf16: bool,
+    device: torch.device,
+) -> PlanReport:
+    # The simulator's accounting (if any) must not see the fakes: leave every dispatch mode while planning.
+    with _disable_current_modes(), FakeTensorMode():
+        fakes: dict[int, torch.Tensor] = {}
+
+        def fake(tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) not in fakes:  # on the CPU: the planner's accounting tracks CPU tensors
+                made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+                if isinstance(tensor, torch.nn.Parameter):
+                    made = torch.nn.Parameter(made, requires_grad=tensor.requires_grad)
+                fakes[id(tensor)] = made
+            return fakes[id(tensor)]
+
+        with _swapped(model, fake):
+            fake_optimizer = _rebuilt(optimizer, fake, cuda=device.type == "cuda")
+            fake_batch = tree_map(lambda leaf: fake(leaf) if isinstance(leaf, torch.Tensor) else leaf, batch)
+            return dry_run(
+                step_fn, fake_batch, model=model, optimizer=fake_optimizer, capacity=capacity, target=target,
+                label=type(model).__name__, ladder=ladder, max_grad_norm=max_grad_norm, bf16=bf16,
+            )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _swapped(model: torch.nn.Module, fake: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Replace every parameter and buffer of ``model`` by its fake, in place; put the real ones back after."""
+    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    try:
+        for module in model.modules():
+            tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+            for table in tables:
+                for name, tensor in list(table.items()):
+                    if tensor is not None:
+                        saved.append((table, name, tensor))
+                        table[name] = fake(tensor)
+        yield
+    finally:
+        for table, name, tensor in reversed(saved):
+            table[name] = tensor
+
+
+def _rebuilt(
+    optimizer: torch.optim.Optimizer, fake: Callable[[torch.Tensor], torch.Tensor], cuda: bool
+) -> torch.optim.Optimizer:
+    """The same optimizer class and options over the fake parameters (foreach where CUDA would default to it)."""
+    groups = []
+    for group in optimizer.param_groups:
+        options = {key: value for key, value in group.items() if key != "params"}
+        if cuda and options.get("foreach", False) is None and not options.get("fused"):
+            options["foreach"] = True
+        groups.append({**options, "params": [fake(p) for p in group["params"]]})
+    rebuilt: torch.optim.Optimizer = cast(Any, type(optimizer))(groups)
+    return rebuilt

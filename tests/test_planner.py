@@ -1,0 +1,206 @@
+"""The dry-run planner: its peaks match SimulatedGPU's measurements, its CLI answers for every preset, and
+preplan=True starts a job that would run out of memory on a fitting plan."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import VOCAB, make_llama
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from oomguard import OOMGuard, Plan, oom_guard, plan
+from oomguard._cli import main
+from oomguard._planner import device_overhead, dry_run, tensor_budget
+from oomguard._presets import PRESETS
+from oomguard.testing import SimulatedGPU
+
+LAYERS, HIDDEN = 2, 32
+EVERY_RUNG = [
+    Plan(),
+    Plan(micro_batch_size=2),
+    Plan(precision="bf16"),
+    Plan(checkpointing="partial"),
+    Plan(checkpointing="full"),
+    Plan(activation_offload=True),
+    Plan(offload_layers=1),
+    Plan(micro_batch_size=2, precision="bf16", checkpointing="full", activation_offload=True, offload_layers=LAYERS),
+]
+
+
+def lm_batch(n: int, length: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def model_step(model: torch.nn.Module) -> Any:
+    return lambda batch: model(**batch)
+
+
+def measured_peaks(n: int, length: int, hidden: int) -> list[int]:
+    """SimulatedGPU's peak of a real training step on each plan, with Adam's state resident (the second step:
+    what the planner predicts)."""
+    peaks = []
+    for forced in EVERY_RUNG:
+        model = make_llama(layers=LAYERS, hidden=hidden)
+        guard = OOMGuard(model_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters()), ladder=[])
+        guard.plan = forced
+        with SimulatedGPU("1GiB") as gpu:
+            gpu.adopt(model)
+            batch = lm_batch(n, length)
+            guard(batch)
+            gpu.reset_peak_memory_stats()
+            guard(batch)
+            peaks.append(gpu.max_memory_allocated())
+    return peaks
+
+
+def predicted_peaks(n: int, length: int, hidden: int) -> list[int]:
+    """The planner's peaks for the same plans, from fake tensors."""
+    with FakeTensorMode():
+        model = make_llama(layers=LAYERS, hidden=hidden)
+        optimizer = torch.optim.AdamW(model.parameters())
+        batch = lm_batch(n, length)
+        report = dry_run(
+            lambda b: model(**b), batch, model=model, optimizer=optimizer, capacity=2**40, target="simulated",
+            label="llama", plans=EVERY_RUNG,
+        )  # fmt: skip
+    return [candidate.peak_bytes for candidate in report.candidates]
+
+
+# The optimizer-bound case uses wider layers: with tiny ones, the simulator's 512-byte rounding of Adam's
+# scalar step tensors (host memory on CUDA) alone is a few percent of the peak.
+@pytest.mark.parametrize(
+    ("n", "length", "hidden", "regime"), [(8, 32, HIDDEN, "activations"), (1, 4, 4 * HIDDEN, "optimizer step")]
+)
+def test_predicted_peaks_are_within_5_percent_of_simulated_gpu_for_every_rung(
+    n: int, length: int, hidden: int, regime: str
+) -> None:
+    measured, predicted = measured_peaks(n, length, hidden), predicted_peaks(n, length, hidden)
+    weights = sum(p.numel() * 4 for p in make_llama(layers=LAYERS, hidden=hidden).parameters())
+    if regime == "optimizer step":  # weights + gradients + Adam's two moments: the optimizer step is the peak
+        assert 4 * weights <= measured[0] < 5 * weights
+    else:
+        assert measured[0] > 6 * weights, "activations dominate"
+    for forced, real, fake in zip(EVERY_RUNG, measured, predicted, strict=True):
+        assert abs(fake - real) <= 0.05 * real, f"{forced.describe(n)}: predicted {fake}, measured {real}"
+
+
+def test_the_walk_recommends_the_first_fitting_plan_and_it_really_fits() -> None:
+    batch_args = (16, 48)
+    with FakeTensorMode():
+        model = make_llama(layers=4, hidden=64)
+        report = dry_run(
+            lambda b: model(**b), lm_batch(*batch_args), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+            capacity=6 * 2**20, target="simulated", label="llama",
+        )  # fmt: skip
+    assert not report.candidates[0].fits and report.baseline_peak_bytes > 6 * 2**20
+    assert report.recommended is not None and report.fits
+    assert report.predicted_peak_bytes <= 6 * 2**20
+    assert [c.fits for c in report.candidates].index(True) > 0
+    # and training on the recommended plan really stays within 6 MiB
+    model = make_llama(layers=4, hidden=64)
+    guard = OOMGuard(lambda b: model(**b), model=model, optimizer=torch.optim.AdamW(model.parameters()), ladder=[])
+    guard.plan = report.recommended
+    with SimulatedGPU("6MiB") as gpu:
+        gpu.adopt(model)
+        for _ in range(2):
+            guard(lm_batch(*batch_args))
+    assert guard.summary().ooms == 0
+
+
+def test_preplan_starts_on_a_fitting_plan_with_no_oom(caplog: pytest.LogCaptureFixture) -> None:
+    ooms = {}
+    for preplan in (False, True):
+        model = make_llama(layers=4, hidden=64)
+        optimizer = torch.optim.AdamW(model.parameters())
+        step = oom_guard(model_step(model), model=model, optimizer=optimizer, preplan=preplan)
+        with SimulatedGPU("8MiB") as gpu, caplog.at_level(logging.INFO, logger="oomguard"):
+            gpu.adopt(model)
+            for _ in range(3):
+                result = step(lm_batch(16, 48))
+        ooms[preplan] = step.guard.summary().ooms
+        assert all(torch.isfinite(p).all() for p in model.parameters()), "the real weights were put back"
+        assert result.loss == result.loss, "trained on real tensors"
+    assert ooms[False] > 0 and ooms[True] == 0
+    assert "preplan: starting on" in caplog.text
+
+
+def test_preplan_gives_way_to_a_step_it_cannot_run_on_fake_tensors(caplog: pytest.LogCaptureFixture) -> None:
+    model = make_llama(layers=2, hidden=32)
+
+    @oom_guard(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), preplan=True)
+    def step(batch: dict[str, torch.Tensor]) -> Any:
+        if float(batch["input_ids"].sum()) < 0:  # reads a value: impossible on fake tensors
+            raise AssertionError
+        return model(**batch)
+
+    with SimulatedGPU("64MiB") as gpu:
+        gpu.adopt(model)
+        result = step(lm_batch(4, 16))
+    assert result.ooms == 0 and "dry run of this step failed" in caplog.text
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_the_cli_plans_every_preset(preset: str, capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["plan", "--model", preset, "--gpu-memory", "80GiB", "--batch-size", "1", "--seq-len", "16",
+                   "--json"])  # fmt: skip
+    answer = json.loads(capsys.readouterr().out)
+    assert status == 0 and answer["fits"] is True
+    for key in ("baseline_peak_bytes", "predicted_peak_bytes", "device_overhead_bytes"):
+        assert isinstance(answer[key], int) and answer[key] > 0
+    assert answer["plan"]["micro_batch_size"] == 1 and answer["plan"]["rungs"] == []
+    assert answer["predicted_peak_bytes"] == answer["baseline_peak_bytes"]  # the plain step fits 80 GiB
+
+
+def test_a_config_json_path_plans_like_its_preset(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**PRESETS["gpt2"], "architectures": ["GPT2LMHeadModel"]}))
+    by_path = plan(path, gpu_memory="80GiB", batch_size=1, seq_len=16)
+    by_name = plan("gpt2", gpu_memory="80GiB", batch_size=1, seq_len=16)
+    assert by_path.baseline_peak_bytes == by_name.baseline_peak_bytes
+
+
+def test_the_text_answer_shows_every_plan_tried(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["plan", "--model", "gpt2", "--gpu-memory", "2.5GiB", "--batch-size", "8", "--seq-len", "128",
+                   "--target", "simulated"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0 and "| whole batch (baseline) |" in out and "| no (runs out in forward) |" in out
+    assert "Recommended: micro-batches of " in out and "(rungs: micro_batch)" in out
+
+
+def test_when_nothing_fits_the_answer_says_so() -> None:
+    report = plan("gpt2", gpu_memory="1GiB", batch_size=1, seq_len=16, ladder=[])
+    assert not report.fits and report.recommended is None
+    assert report.baseline_peak_bytes + report.device_overhead_bytes > 2**30
+    assert "Nothing on the ladder fits" in report.table() and report.to_dict()["fits"] is False
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "gpt-5"], "unknown model 'gpt-5'"),
+        (["--model", "gpt2", "--seq-len", "4096"], "longer than the model's 1024 positions"),
+        (["--model", "gpt2", "--gpu-memory", "-1"], "memory"),
+        (["--model", "gpt2", "--batch-size", "0"], "batch_size must be a positive int"),
+    ],
+)
+def test_bad_plan_arguments_get_a_clear_error(args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        main(["plan", *args])
+
+
+def test_device_overhead_is_counted_when_deciding_what_fits() -> None:
+    budget = tensor_budget(6 * 2**30, "cuda")
+    assert budget + device_overhead(budget) <= 6 * 2**30 < budget + 2**20 + device_overhead(budget + 2**20)
+    assert tensor_budget(6 * 2**30, "simulated") == 6 * 2**30
+
+
+@pytest.mark.slow
+def test_tinyllama_at_8_x_1024_is_planned_within_two_minutes() -> None:
+    report = plan("tinyllama-1.1b", gpu_memory="6GiB", batch_size=8, seq_len=1024)
+    assert report.seconds < 120 and report.fits
