@@ -20,8 +20,9 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two workers: the suite is single-threaded Python most of the time (the simulator, fake tensors, subprocesses).
 pytest: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import torch
 
 VOCAB = 64
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one intra-op thread per test worker: no oversubscribed cores
+    torch.set_num_threads(1)
 
 
 def make_mlp(seed: int = 0, width: int = 64) -> torch.nn.Module:

@@ -175,7 +175,7 @@ class SimulatedGPU:
     ...     torch.zeros(10**6)                 # 4 MB: too much
     Traceback (most recent call last):
     ...
-    torch.OutOfMemoryError: CUDA out of memory (simulated by oomguard.testing.SimulatedGPU). ...
+    torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.8 MiB. ... (simulated by oomguard...)
     """
 
     tracks_allocations = True
@@ -349,10 +349,10 @@ class SimulatedGPU:
     def _oom(self, nbytes: int) -> torch.OutOfMemoryError:
         free = self.capacity - self._allocated
         return torch.OutOfMemoryError(
-            f"CUDA out of memory (simulated by oomguard.testing.SimulatedGPU). Tried to allocate "
-            f"{format_bytes(nbytes)}. Simulated GPU 0 has a total capacity of {format_bytes(self.capacity)} of "
-            f"which {format_bytes(max(0, free))} is free. Of the allocated memory "
-            f"{format_bytes(self._allocated)} is allocated by tensors."
+            f"CUDA out of memory. Tried to allocate {format_bytes(nbytes)}. Simulated GPU 0 has a total capacity "
+            f"of {format_bytes(self.capacity)} of which {format_bytes(max(0, free))} is free. Of the allocated "
+            f"memory {format_bytes(self._allocated)} is allocated by tensors. (simulated by "
+            f"oomguard.testing.SimulatedGPU; the wording follows CUDA's, so any OOM handler recognises it.)"
         )
 
     def _check(self, sizes: list[int], count_faults: bool = True) -> None:
