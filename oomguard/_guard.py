@@ -476,16 +476,20 @@ class OOMGuard:
         failed = retry_state.outcome.result() if retry_state.outcome is not None else None
         if not isinstance(failed, _Failed):
             raise AssertionError("tenacity retried an attempt that did not fail")
+        cleanup_started = time.perf_counter()
         self._runner.zero_grad()
         if failed.summary.phase == "backward":
             _flush_autograd_queue(self._device)
-        gc.collect()  # frames of the failed attempt may sit in reference cycles
-        call.backend.empty_cache()
-        freed = snapshot(call.backend)
+        backend = call.backend
+        if not backend.tracks_allocations or backend.memory_allocated() > failed.base:
+            gc.collect()  # frames of the failed attempt sit in reference cycles (a full pass: ~0.2 s)
+        backend.empty_cache()
+        freed = snapshot(backend)
         call.tried.append((failed.plan, failed.summary))
-        call.seconds_lost += failed.seconds
+        lost = failed.seconds + time.perf_counter() - cleanup_started  # the attempt and the cleanup after it
+        call.seconds_lost += lost
         self._ooms += 1
-        self._seconds_lost += failed.seconds
+        self._seconds_lost += lost
         telemetry = call.backend.telemetry(failed.summary.requested_bytes)
         if self._fix_fragmentation and telemetry and telemetry.get("fragmentation"):
             apply_expandable_segments()
@@ -498,7 +502,7 @@ class OOMGuard:
                 rung=self._plan_rung,
                 error=failed.summary,
                 memory_after_recovery=freed,
-                seconds=failed.seconds,
+                seconds=lost,
                 telemetry=telemetry,
             )
         )
