@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from oomguard._checkpointing import enable_checkpointing
+from oomguard._errors import GuardConfigError
 from oomguard._memory import MemoryBackend
 from oomguard._offload import ActivationOffloader, LayerOffloader
 from oomguard._plan import CheckpointingMode, Plan, Precision
@@ -38,7 +39,17 @@ class Effects:
 
     # -- persistent effects ---------------------------------------------------------------------------
     def apply(self, plan: Plan, backend: MemoryBackend) -> bool:
-        """Bring checkpointing and layer offload to what ``plan`` asks for; True if anything changed."""
+        """Bring checkpointing and layer offload to what ``plan`` asks for; True if anything changed.
+
+        A plan that offloads more layers than the model has blocks raises :class:`~oomguard.GuardConfigError`
+        before anything is changed.
+        """
+        if plan.offload_layers > len(self.blocks):
+            raise GuardConfigError(
+                f"the plan offloads {plan.offload_layers} layer(s) but {type(self.model).__name__} has "
+                f"{len(self.blocks)} repeated block(s), the unit layer offload moves (an nn.ModuleList of same-typed "
+                f"layers); assign a Plan with offload_layers <= {len(self.blocks)}"
+            )
         changed = plan.checkpointing != self._checkpointing or plan.offload_layers != self.offloaded_layers
         if plan.checkpointing != self._checkpointing:
             if self._undo_checkpointing is not None:

@@ -483,7 +483,11 @@ class OOMGuard:
         backend = call.backend
         if not backend.tracks_allocations or backend.memory_allocated() > failed.base:
             gc.collect()  # frames of the failed attempt sit in reference cycles (a full pass: ~0.2 s)
-        backend.empty_cache()
+        try:
+            backend.empty_cache()
+        except Exception as exc:  # a device too full even to return its cache: nothing more was freed
+            if not is_oom(exc):
+                raise
         freed = snapshot(backend)
         call.tried.append((failed.plan, failed.summary))
         lost = failed.seconds + time.perf_counter() - cleanup_started  # the attempt and the cleanup after it

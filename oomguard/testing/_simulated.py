@@ -191,7 +191,10 @@ class SimulatedGPU:
         self._peak = 0
         self._tracked: dict[int, int] = {}  # id(storage) -> counted bytes
         self._host: set[int] = set()  # id(storage) of host memory: never counted
-        self._lock = threading.Lock()
+        # Re-entrant: a storage's finalizer (_release) can run inside any allocation, the simulator's own
+        # bookkeeping included, whenever the garbage collector frees a tensor there; on the same thread a plain
+        # lock would deadlock.
+        self._lock = threading.RLock()
         self._fail_in: int | None = None  # allocations left before an injected failure
         self._paused = _Paused()
         self._mode: _AccountingMode | None = None

@@ -1,0 +1,319 @@
+"""Fault sweep: one simulated out-of-memory error at allocation after allocation of a guarded training step.
+
+For every rung configuration, a fault is armed with ``SimulatedGPU.fail_allocation`` at one device allocation
+of a step (forward, backward, micro-batch accumulation, clipping, Adam's optimizer step including its lazily
+built first-step state, the scheduler, the fp16 GradScaler), the guard recovers down the default ladder, and
+what the step left behind is compared with fault-free runs (tests/sweep_worker.py, ``problems``): the same
+weights, optimizer, scheduler and scaler state bit for bit, every sample seen exactly once by the attempt that
+succeeded, one Adam step and one scheduler step, and device memory back to where it belongs.
+
+``-m slow`` sweeps every allocation: of two steps of a tiny block MLP (the first, when Adam builds its state,
+and a steady-state one) on every configuration, of the first step of a tiny transformers Llama, and of two steps
+on one of two gloo ranks. The default run samples the edges of every phase (see ``DEFAULT_SAMPLES``). Double
+faults (an OOM while the guard is recovering from one) are at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sweep_worker import (
+    DEFAULT_DIST_CONFIGS,
+    DIST_CONFIGS,
+    LLAMA,
+    TINY,
+    Outcome,
+    PhaseGPU,
+    Sample,
+    Snapshot,
+    Sweep,
+    Workload,
+    every_allocation,
+    initial_state,
+    phase_edges,
+    phase_ends,
+    problems,
+    run_step,
+    rung_configs,
+    sweep,
+    young_garbage_only,
+)
+
+from oomguard import FallbackEvent, OOMGuard, Plan
+from oomguard.testing import SimulatedGPU
+
+TINY_CONFIGS = rung_configs(TINY.blocks)
+LLAMA_CONFIGS = rung_configs(LLAMA.blocks)
+# The full sweep's figures go here (one line per configuration) when OOMGUARD_SWEEP_FIGURES names a file.
+FIGURES = os.environ.get("OOMGUARD_SWEEP_FIGURES")
+
+
+def _warm_up() -> None:
+    for name in ("layer offload", "amp fp16 + GradScaler"):
+        run_step(initial_state(), TINY.batch(0), TINY_CONFIGS[name], fault=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _young_garbage_only() -> Iterator[None]:
+    """The guard's gc.collect() on every recovery scans only what the steps make (see sweep_worker)."""
+    with young_garbage_only(_warm_up):
+        yield
+
+
+def record(workload: Workload, name: str, result: Sweep, seconds: float) -> None:
+    if FIGURES is None:
+        return
+    phases = ", ".join(f"{phase} {count}" for phase, count in sorted(result.by_phase().items()))
+    line = (
+        f"{workload.name} | {name} | {result.injected} injected | {result.survived} survived | "
+        f"phases: {phases} | {seconds:.0f} s\n"
+    )
+    with Path(FIGURES).open("a", encoding="utf-8") as figures:
+        figures.write(line)
+
+
+def check_sweep(workload: Workload, name: str, plan: Plan, sample: Sample, phases: set[str], steps: int = 2) -> None:
+    started = time.monotonic()
+    result = sweep(plan, sample, workload=workload, steps=steps)
+    record(workload, name, result, time.monotonic() - started)
+    assert not result.failures, "\n".join(result.failures[:20])
+    assert result.survived == result.injected > 0
+    # Every phase asked for was hit (forward, backward with the accumulation, clipping, the optimizer step...).
+    assert phases <= set(result.by_phase())
+
+
+PHASES = {"forward", "backward", "clip", "optimizer"}
+
+
+# Each default-run configuration, and its sample: the first and last allocation of every phase where a fault is
+# cheap, the last of every phase of the first step where it is not (autocast: ~4x slower per fault). Every rung at
+# once (10x slower) is swept under the slow marker only.
+DEFAULT_SAMPLES: dict[str, Sample] = {name: phase_edges for name in TINY_CONFIGS if name != "every rung"}
+DEFAULT_SAMPLES.update({"amp bf16": phase_ends, "amp fp16 + GradScaler": phase_ends})
+
+
+@pytest.mark.parametrize("name", DEFAULT_SAMPLES)
+def test_an_oom_at_sampled_allocations_of_a_step_loses_nothing(name: str) -> None:
+    sample = DEFAULT_SAMPLES[name]
+    check_sweep(TINY, name, TINY_CONFIGS[name], sample, PHASES, steps=1 if sample is phase_ends else 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TINY_CONFIGS)
+def test_an_oom_at_every_allocation_of_a_step_loses_nothing(name: str) -> None:
+    check_sweep(TINY, name, TINY_CONFIGS[name], every_allocation, PHASES)
+
+
+# The Llama's first step (Adam building its state), on every configuration but all rungs at once: ~400 to ~1500
+# allocations each, at 0.2 to 0.5 s per fault.
+LLAMA_SWEPT = [name for name in LLAMA_CONFIGS if name != "every rung"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LLAMA_SWEPT)
+def test_an_oom_at_every_allocation_of_a_llama_step_loses_nothing(name: str) -> None:
+    check_sweep(LLAMA, name, LLAMA_CONFIGS[name], every_allocation, PHASES, steps=1)
+
+
+def llama_sample(step: int, phases: list[str]) -> list[int]:
+    """Counting a micro-batch's labels, and Adam building its state: one fault each (first step only)."""
+    return [phases.index("split") + 1, phases.index("optimizer") + 1]
+
+
+def test_a_llama_step_survives_an_oom_in_the_transformers_paths() -> None:
+    """Its own checkpointing API, labels counted per micro-batch after the causal shift, and token-weighted
+    micro-batches of a ragged batch."""
+    plan = Plan(micro_batch_size=2, checkpointing="partial")
+    check_sweep(LLAMA, "micro-batches, checkpointing partial", plan, llama_sample, {"split", "optimizer"}, steps=1)
+
+
+# -- the sweep's own checks can fail --------------------------------------------------------------------------
+
+
+def test_the_comparison_sees_a_doubled_optimizer_step() -> None:
+    """A step run twice (what a retry that forgot to undo a half-done step amounts to) is caught."""
+    state = initial_state()
+    batch = TINY.batch(0)
+    once = run_step(state, batch, Plan(), ladder=[])
+    twice = run_step(once.after, batch, Plan(), ladder=[])
+    found = problems(twice, ooms=0, same_plan=once, intended=once, step=0, sample_ids=[0, 1, 2, 3, 4])
+    assert any("Adam step counts" in p for p in found)
+    assert any("scheduler is at 2" in p for p in found)
+    assert any("vs fault-free" in p and "exp_avg" in p for p in found)
+
+
+def test_the_comparison_sees_a_lost_sample() -> None:
+    state = initial_state()
+    whole = run_step(state, TINY.batch(0), Plan(), ladder=[])
+    short = run_step(state, TINY.batch(0, 4), Plan(), ladder=[])  # the fifth sample never trained
+    found = problems(short, ooms=0, same_plan=whole, intended=whole, step=0, sample_ids=[0, 1, 2, 3, 4])
+    assert any("saw samples [0, 1, 2, 3]" in p for p in found)
+    assert any("weights" in p for p in found)
+
+
+def test_the_samples_hit_the_edges_of_every_phase() -> None:
+    phases = ["forward"] * 3 + ["backward"] * 5 + ["optimizer"] * 4
+    assert phase_edges(0, phases) == [1, 3, 4, 8, 9, 12]
+    assert phase_edges(1, phases) == [9]
+    assert phase_ends(0, phases) == [3, 8, 12]
+    assert phase_ends(1, phases) == []
+    assert every_allocation(1, phases) == list(range(1, 13))
+
+
+# -- double faults: an OOM while the guard recovers from one ----------------------------------------------------
+
+
+class References:
+    """Fault-free steps from one state, per plan, computed once."""
+
+    def __init__(self, state: Snapshot, batch: Any) -> None:
+        self.state, self.batch = state, batch
+        self._outcomes: dict[Plan, Outcome] = {}
+
+    def __getitem__(self, plan: Plan) -> Outcome:
+        if plan not in self._outcomes:
+            self._outcomes[plan] = run_step(self.state, self.batch, plan, ladder=[])
+        return self._outcomes[plan]
+
+    def problems(self, outcome: Outcome, plan: Plan, ooms: int) -> list[str]:
+        """What is wrong with ``outcome``, a step on ``plan`` that met ``ooms`` OOMs (see sweep_worker.problems)."""
+        ids = [int(i) for i in TINY.ids(self.batch).tolist()]
+        same_plan, intended = self[outcome.result.plan], self[plan]
+        return problems(outcome, ooms=ooms, same_plan=same_plan, intended=intended, step=0, sample_ids=ids)
+
+
+@pytest.mark.parametrize("name", ["whole batch", "layer offload"])
+def test_a_second_oom_while_the_next_rung_is_applied_is_recovered(name: str) -> None:
+    """The first fault strikes at the last allocation of each phase; as the guard falls back, a second is armed at
+    the first allocation the retry makes on the cheaper plan (applying the rung, streaming a block in, the
+    forward). The guard falls back twice and the step still equals a fault-free one."""
+    plan = TINY_CONFIGS[name]
+    references = References(initial_state(), TINY.batch(0))
+    armed: list[int] = []
+
+    def arm_on_fallback(event: Any, gpu: PhaseGPU) -> None:
+        if isinstance(event, FallbackEvent) and not armed:
+            armed.append(1)
+            gpu.fail_allocation(1)
+
+    faults = phase_ends(0, references[plan].phases)
+    for index in faults:
+        armed.clear()
+        outcome = run_step(references.state, references.batch, plan, fault=index, on_event=arm_on_fallback)
+        assert armed, "the guard fell back"
+        found = references.problems(outcome, plan, ooms=2)
+        assert not found, f"first fault at allocation {index}: " + "\n".join(found)
+    assert len(faults) == 4
+
+
+def test_an_oom_inside_recoverys_autograd_flush_is_survived(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failed backward the guard runs a tiny backward to drain autograd's queue; it can fail too."""
+    import oomguard._guard
+
+    references = References(initial_state(), TINY.batch(0))
+    flush = oomguard._guard._flush_autograd_queue
+    gpus: list[SimulatedGPU] = []
+    flushes: list[bool] = []
+
+    def failing_flush(device: torch.device) -> None:
+        gpus[-1].fail_allocation(1)  # the flush's own first allocation
+        flush(device)
+        flushes.append(gpus[-1].fault_pending)
+
+    def remember(gpu: PhaseGPU, guard: OOMGuard) -> None:
+        gpus.append(gpu)
+
+    monkeypatch.setattr(oomguard._guard, "_flush_autograd_queue", failing_flush)
+    backward = [i for i, phase in enumerate(references[Plan()].phases, 1) if phase == "backward"]
+    for index in (backward[0], backward[len(backward) // 2], backward[-1]):
+        outcome = run_step(references.state, references.batch, Plan(), fault=index, arm=remember)
+        assert flushes[-1] is False, "the flush's allocation failed"
+        found = references.problems(outcome, Plan(), ooms=1)
+        assert not found, "\n".join(found)
+
+
+def test_an_oom_while_recovery_empties_the_cache_is_survived() -> None:
+    """A device too full even to give its cache back: freeing is best effort, the retry finds out the rest."""
+    references = References(initial_state(), TINY.batch(0))
+    forward = references[Plan()].phases.index("forward") + 1
+    outcome = run_step(references.state, references.batch, Plan(), fault=forward, arm=empty_cache_fails_once)
+    assert not references.problems(outcome, Plan(), ooms=1)
+
+
+def empty_cache_fails_once(gpu: PhaseGPU, guard: OOMGuard) -> None:
+    real = gpu.empty_cache
+    calls: list[int] = []
+
+    def empty_cache() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected in empty_cache)")
+        real()
+
+    gpu.empty_cache = empty_cache  # type: ignore[method-assign]
+
+
+# -- distributed: the sweep on one of two gloo ranks ------------------------------------------------------------
+
+
+def launch_sweep(out: Path, mode: str, timeout: float) -> list[dict[str, Any]]:
+    """Both ranks of tests/sweep_worker.py, through the launcher of tests/test_distributed.py (hard timeout, the
+    whole process group killed if a rank hangs); their reports."""
+    import test_distributed
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(test_distributed, "WORKER", Path(__file__).resolve().parent / "sweep_worker.py")
+        codes, hung = test_distributed.launch(out, mode, timeout)
+    logs = "\n".join((out / f"rank{rank}.log").read_text()[-3000:] for rank in range(2))
+    assert not hung, f"a rank hung and was killed:\n{logs}"
+    assert codes == [0, 0], logs
+    return [json.loads((out / f"sweep{rank}.json").read_text()) for rank in range(2)]
+
+
+def check_distributed(reports: list[dict[str, Any]], configs: tuple[str, ...]) -> None:
+    rank0, rank1 = (report["configs"] for report in reports)
+    assert list(rank0) == list(rank1) == list(configs)
+    for name in configs:
+        assert not rank0[name]["failures"] and not rank1[name]["failures"], (
+            name,
+            rank0[name]["failures"][:5],
+            rank1[name]["failures"][:5],
+        )
+        faults0, faults1 = rank0[name]["faults"], rank1[name]["faults"]
+        assert faults1, name
+        assert [(f["step"], f["index"]) for f in faults0] == [(f["step"], f["index"]) for f in faults1]
+        assert {f["error"] for f in faults1} == {"OutOfMemoryError"}, "rank 1 ran out of memory itself"
+        assert {f["error"] for f in faults0} == {"PeerOutOfMemory"}, "rank 0 retried because its peer failed"
+        for fault0, fault1 in zip(faults0, faults1, strict=True):
+            assert fault0["plan"] == fault1["plan"], "both ranks recovered on the same plan"
+            assert fault0["digest"] == fault1["digest"], "the replicas are identical after the step"
+
+
+def record_distributed(reports: list[dict[str, Any]]) -> None:
+    if FIGURES is None:
+        return
+    with Path(FIGURES).open("a", encoding="utf-8") as figures:
+        for name, found in reports[1]["configs"].items():
+            faults = found["faults"]
+            survived = sum(not fault["problems"] for fault in faults)
+            figures.write(f"DDP, faults on rank 1 of 2 | {name} | {len(faults)} injected | {survived} survived\n")
+
+
+def test_an_oom_on_one_of_two_ranks_loses_nothing_on_either(tmp_path: Path) -> None:
+    reports = launch_sweep(tmp_path, "sampled", timeout=240)
+    record_distributed(reports)
+    check_distributed(reports, DEFAULT_DIST_CONFIGS)
+
+
+@pytest.mark.slow
+def test_an_oom_at_every_allocation_on_one_of_two_ranks_loses_nothing_on_either(tmp_path: Path) -> None:
+    reports = launch_sweep(tmp_path, "full", timeout=3600)
+    record_distributed(reports)
+    check_distributed(reports, DIST_CONFIGS)
