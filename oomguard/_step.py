@@ -194,7 +194,14 @@ class StepRunner:
             journal = failure is not None or not self.transaction.can_skip_journal(backend)
             self.verdict = self.agreement.after_backward(outcome, self.phase, journal)
             if self.verdict.outcome != "ok":
-                raise failure if failure is not None else peer_failure(self.verdict.outcome, self.verdict.phase)
+                error = failure if failure is not None else peer_failure(self.verdict.outcome, self.verdict.phase)
+                # This frame is in the error's traceback: holding the error here too would make a reference
+                # cycle that keeps the failed forward's tensors alive until the garbage collector runs.
+                failure = None
+                try:
+                    raise error
+                finally:
+                    del error
             if self.ddp is not None:
                 self.agreement.average_gradients(self._params)
         return micro_batches, total

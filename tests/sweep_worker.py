@@ -226,6 +226,19 @@ def young_garbage_only(warm_up: Callable[[], object]) -> Iterator[None]:
         gc.unfreeze()
 
 
+@contextlib.contextmanager
+def automatic_gc_off() -> Iterator[None]:
+    """No garbage collection but the guard's explicit ``gc.collect()``: what a failed attempt leaves in reference
+    cycles is then still in use after the step unless the guard collected it, whatever the collector's timing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class PhaseGPU(SimulatedGPU):
     """A SimulatedGPU that also records, for every device allocation, the phase of the step it was made in
     (``"outside"`` before the first attempt), and the memory in use as each attempt begins."""
@@ -333,7 +346,8 @@ def run_step(
             gpu.fail_allocation(fault)
         if arm is not None:
             arm(gpu, guard)
-        result = guard(batch)
+        with automatic_gc_off():  # only the guard's own gc.collect() frees what sits in reference cycles
+            result = guard(batch)
         fired = not gpu.fault_pending
         memory_after = gpu.memory_allocated()
         phases = gpu.phases[start:]
@@ -535,6 +549,7 @@ def sweep(
         if choose is not None:
             picked = choose(picked)
         references = {intended.result.plan: intended}
+        freed: dict[int, list[int]] = {}
         for index in picked:
             outcome = run_step(state, batch, plan, workload=workload, fault=index if faulted else None, wrap=wrap)
             final = outcome.result.plan
@@ -555,6 +570,10 @@ def sweep(
                 }
             )
             report.failures += [f"step {step}, allocation {index} ({phase}): {p}" for p in found]
+            if outcome.ooms:
+                freed.setdefault(outcome.ooms[0].memory_after_recovery.allocated, []).append(index)
+        if len(freed) > 1:  # recovery frees all a failed attempt made, however far it got: the same every time
+            report.failures.append(f"step {step}: in use after recovery (bytes: allocations faulted) {freed}")
         state = intended.after
     return report
 
@@ -563,9 +582,11 @@ def sweep(
 
 #: The rung configurations swept under DDP (layer offload under DDP is otherwise untested).
 DIST_CONFIGS = ("whole batch", "micro-batches", "checkpointing full", "layer offload")
-# The sampled run's: a fault in forward or backward recovers on micro-batches, one in clipping or the optimizer
-# step into layer offload, under DDP.
-DEFAULT_DIST_CONFIGS = ("whole batch",)
+# The sampled run's: from the whole batch a fault in forward or backward recovers on micro-batches, one in
+# clipping or the optimizer step into layer offload; with layer offload engaged, the failed attempt itself has
+# moved weights to the host, so memory in use drops below where the attempt began even if the attempt's
+# activations were still held (they were, under DDP, until a reference cycle was broken in oomguard/_step.py).
+DEFAULT_DIST_CONFIGS = ("whole batch", "layer offload")
 
 
 def distributed_sweep(

@@ -15,6 +15,7 @@ faults (an OOM while the guard is recovering from one) are at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -47,6 +48,7 @@ from sweep_worker import (
 )
 
 from oomguard import FallbackEvent, OOMGuard, Plan
+from oomguard._distributed import Agreement
 from oomguard.testing import SimulatedGPU
 
 TINY_CONFIGS = rung_configs(TINY.blocks)
@@ -92,11 +94,11 @@ def check_sweep(workload: Workload, name: str, plan: Plan, sample: Sample, phase
 PHASES = {"forward", "backward", "clip", "optimizer"}
 
 
-# Each default-run configuration, and its sample: the first and last allocation of every phase where a fault is
-# cheap, the last of every phase of the first step where it is not (autocast: ~4x slower per fault). Every rung at
-# once (10x slower) is swept under the slow marker only.
-DEFAULT_SAMPLES: dict[str, Sample] = {name: phase_edges for name in TINY_CONFIGS if name != "every rung"}
-DEFAULT_SAMPLES.update({"amp bf16": phase_ends, "amp fp16 + GradScaler": phase_ends})
+# Each default-run configuration, and its sample: the first and last allocation of every phase of the first step
+# and the first of a steady-state optimizer step; for every rung at once (10x slower per fault) the last
+# allocation of every phase of the first step.
+DEFAULT_SAMPLES: dict[str, Sample] = dict.fromkeys(TINY_CONFIGS, phase_edges)
+DEFAULT_SAMPLES["every rung"] = phase_ends
 
 
 @pytest.mark.parametrize("name", DEFAULT_SAMPLES)
@@ -258,6 +260,65 @@ def empty_cache_fails_once(gpu: PhaseGPU, guard: OOMGuard) -> None:
         real()
 
     gpu.empty_cache = empty_cache  # type: ignore[method-assign]
+
+
+class WorldOfOne(Agreement):
+    """The agreement protocol in a world of one process, which agrees with itself: it drives the distributed code
+    path of a step (every failure held until the ranks agree, then re-raised) without a process group."""
+
+    def __init__(self) -> None:
+        self.rank, self.world = 0, 1
+
+    def _all_max(self, *values: int) -> list[int]:
+        return list(values)
+
+    def average_gradients(self, params: list[torch.Tensor]) -> None:
+        return None  # the average over one rank
+
+
+def _step_that_keeps_its_error(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The tiny workload's step, written so that its frame holds its own error: a reference cycle through the
+    traceback that keeps every frame of the failed forward, and their tensors, alive until a garbage collection."""
+    try:
+        return TINY.loss(model, batch)
+    except Exception as exc:
+        kept = exc  # noqa: F841 (the point: a local that refers to the error whose traceback holds this frame)
+        raise
+
+
+def _distributed(gpu: PhaseGPU, guard: OOMGuard) -> None:
+    guard._runner.agreement = WorldOfOne()
+
+
+@pytest.mark.parametrize(
+    ("case", "garbage_collection"),
+    [("the distributed path", False), ("a step that keeps its error", True)],
+)
+def test_a_failed_forward_held_in_a_reference_cycle_is_freed(
+    case: str, garbage_collection: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the distributed sweep: the distributed path kept the failed forward's error in a local of a frame
+    in its own traceback, a reference cycle. With layer offload the failed attempt had also moved weights to the
+    host, so memory looked back below where the attempt began, the guard skipped its full gc pass, and the failed
+    forward's tensors stayed on the device through the retry. Now (1) the distributed path makes no cycle: it
+    frees all with no garbage collection at all; (2) a cycle the user's own step makes is freed by the guard's
+    young-generation pass, which runs after every failure (automatic collection is off throughout, see
+    ``run_step``)."""
+    plan = TINY_CONFIGS["layer offload"]
+    workload = dataclasses.replace(TINY, loss=_step_that_keeps_its_error) if case.startswith("a step") else TINY
+    arm = _distributed if case == "the distributed path" else None
+    if not garbage_collection:
+        monkeypatch.setattr("oomguard._guard.gc.collect", lambda generation=2: 0)
+    references = References(initial_state(), TINY.batch(0))
+    forward = [i for i, phase in enumerate(references[plan].phases, 1) if phase == "forward"]
+    freed: dict[int, int] = {}
+    for index in forward:
+        outcome = run_step(references.state, references.batch, plan, workload=workload, fault=index, arm=arm)
+        found = references.problems(outcome, plan, ooms=1)
+        assert not found, f"fault at allocation {index}: " + "\n".join(found)
+        freed[index] = outcome.ooms[0].memory_after_recovery.allocated
+    # However far the failed forward got, recovery freed all of it: the same memory in use after each.
+    assert len(set(freed.values())) == 1, f"in use after recovering from a fault at each allocation: {freed}"
 
 
 # -- distributed: the sweep on one of two gloo ranks ------------------------------------------------------------
