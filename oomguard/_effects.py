@@ -16,7 +16,7 @@ import torch
 from oomguard._checkpointing import enable_checkpointing
 from oomguard._errors import GuardConfigError
 from oomguard._memory import MemoryBackend
-from oomguard._offload import ActivationOffloader, LayerOffloader
+from oomguard._offload import ActivationOffloader, LayerOffloader, saved_tensor_hooks
 from oomguard._plan import CheckpointingMode, Plan, Precision
 
 __all__ = ["Effects"]
@@ -77,7 +77,8 @@ class Effects:
     # -- per-forward effects --------------------------------------------------------------------------
     @contextlib.contextmanager
     def forward(self, plan: Plan, backend: MemoryBackend) -> Iterator[None]:
-        """Autocast and activation offload around one micro-batch's forward."""
+        """Autocast, activation offload and the re-making of streamed weights' copies around one micro-batch's
+        forward."""
         with contextlib.ExitStack() as stack:
             if plan.precision is not None:
                 # autocast caches the half-precision copy of every weight until the forward ends, which would
@@ -85,12 +86,15 @@ class Effects:
                 cache = self.offloaded_layers == 0
                 dtype = _DTYPES[plan.precision]
                 stack.enter_context(torch.autocast(device_type=self._device_type, dtype=dtype, cache_enabled=cache))
+            offloader = None
             if plan.activation_offload:
                 params = {id(p.untyped_storage()) for p in self.model.parameters()}
                 if self._layers is not None:
                     params |= self._layers.device_storages()  # streamed weights get their storage later
                 offloader = ActivationOffloader(backend, lambda storage: id(storage) in params)
-                stack.enter_context(offloader.hooks())
+            layers = self._layers if self.offloaded_layers else None
+            if offloader is not None or layers is not None:
+                stack.enter_context(saved_tensor_hooks(layers, offloader))
             yield
 
     def scaler(self, plan: Plan) -> torch.amp.GradScaler | None:

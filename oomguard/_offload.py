@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from oomguard._memory import MemoryBackend
 
-__all__ = ["ActivationOffloader", "LayerOffloader"]
+__all__ = ["ActivationOffloader", "LayerOffloader", "saved_tensor_hooks"]
 
 
 class _HostCopy:
@@ -45,6 +45,23 @@ class _Packed:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+
+
+@dataclass(frozen=True)
+class _Recast:
+    """A copy of a streamed weight that a forward saved for backward (autocast's half-precision cast, or a view
+    of it): made again from the weight when backward needs it, rather than kept on the device in between."""
+
+    param: torch.Tensor
+    dtype: torch.dtype
+    device: torch.device
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def make(self) -> torch.Tensor:
+        copy = self.param.detach().to(device=self.device, dtype=self.dtype)
+        return copy.as_strided(self.size, self.stride, self.offset)
 
 
 def _whole_storage(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -72,16 +89,8 @@ class ActivationOffloader:
         self.keep = keep  # storages that must stay on the device (parameters)
         self._copies: dict[int, tuple[weakref.ref[torch.UntypedStorage], _HostCopy]] = {}
 
-    @contextmanager
-    def hooks(self) -> Iterator[None]:
-        """Offload what the forward inside this context saves for backward."""
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
-        finally:
-            self._copies.clear()  # the packed objects hold what backward needs
-
-    def _pack(self, tensor: torch.Tensor) -> Any:
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """A saved tensor, or a handle on its host copy."""
         if tensor.grad_fn is None or not self.backend.is_device(tensor) or tensor.layout != torch.strided:
             return tensor
         storage = tensor.untyped_storage()
@@ -99,7 +108,8 @@ class ActivationOffloader:
             known[1], tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset())
         )
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """What :meth:`pack` saved, back on the device."""
         if not isinstance(packed, _Packed):
             return packed  # type: ignore[no-any-return]
         copy = packed.copy
@@ -109,6 +119,10 @@ class ActivationOffloader:
             copy.device = weakref.ref(device)
         flat = device if device.dtype == packed.dtype else device.view(packed.dtype)  # another view's dtype
         return flat.as_strided(packed.size, packed.stride, packed.offset)
+
+    def forget(self) -> None:
+        """Drop the index of host copies once a forward is over (the packed handles hold what backward needs)."""
+        self._copies.clear()
 
 
 @dataclass(eq=False)
@@ -143,6 +157,7 @@ class LayerOffloader:
         self.backend = backend
         self.optimizer = optimizer
         self.blocks: list[_Block] = []
+        self._streamed: set[int] = set()  # ids of every streamed parameter
 
     def device_storages(self) -> set[int]:
         """Identities of the device storages streamed weights use (they persist, resized in place)."""
@@ -150,9 +165,10 @@ class LayerOffloader:
 
     def add(self, module: torch.nn.Module) -> None:
         """Offload one more block. Only host memory is allocated, so this cannot run the device out of memory."""
-        streamed = {id(item.param) for block in self.blocks for item in block.params}
         params = [  # a parameter shared with a block already offloaded is streamed by that block
-            _Streamed(p, self.backend.to_host(p.data), p.data) for p in module.parameters() if id(p) not in streamed
+            _Streamed(p, self.backend.to_host(p.data), p.data)
+            for p in module.parameters()
+            if id(p) not in self._streamed
         ]
         states = [self._state_tensors(item.param, on=item.device.device) for item in params]
         for item, state in zip(params, states, strict=True):
@@ -172,6 +188,32 @@ class LayerOffloader:
                 hook = self._grad_ready(block)
                 block.handles.append(item.param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
         self.blocks.append(block)
+        self._streamed.update(id(item.param) for item in params)
+
+    def recast_of(self, tensor: torch.Tensor) -> _Recast | None:
+        """A handle that re-makes ``tensor`` in backward if it is a copy of a streamed weight, else None.
+
+        Under autocast a linear layer saves the half-precision copy of its weight (as ``weight.t()``): kept, the
+        copies of every offloaded block would stay on the device from forward to backward, half the size of the
+        weights offload took off it. Casting again in backward, from the weight brought back for it, costs one
+        copy per use.
+        """
+        base = tensor._base if tensor._base is not None else tensor
+        node = base.grad_fn
+        if node is None or node.name() != "ToCopyBackward0":
+            return None
+        source = node.next_functions[0][0]
+        param = getattr(source, "variable", None)  # AccumulateGrad: the leaf the copy was made of
+        if param is None or id(param) not in self._streamed:
+            return None
+        return _Recast(
+            param,
+            tensor.dtype,
+            tensor.device,
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            int(tensor.storage_offset()),
+        )
 
     def restore_last(self) -> None:
         """Bring the most recently offloaded block back to the device, all or nothing.
@@ -208,6 +250,7 @@ class LayerOffloader:
                 self.optimizer.state[item.param].update(device_state)
         self.backend.synchronize()
         self.blocks.pop()
+        self._streamed.difference_update(id(item.param) for item in block.params)
 
     def _state_tensors(self, param: torch.Tensor, on: torch.device | None = None) -> dict[str, torch.Tensor]:
         """The optimizer state of ``param``: every tensor, or only those on device ``on``.
@@ -304,3 +347,33 @@ class LayerOffloader:
         self.reset()
         while self.blocks:
             self.restore_last()
+
+
+@contextmanager
+def saved_tensor_hooks(layers: LayerOffloader | None, activations: ActivationOffloader | None) -> Iterator[None]:
+    """The saved-tensor hooks of one forward: copies of streamed weights are made again in backward, and with
+    activation offload every other activation saved for backward goes to the host. One pair of hooks for both,
+    since only the innermost pair applies."""
+
+    def pack(tensor: torch.Tensor) -> Any:
+        recast = layers.recast_of(tensor) if layers is not None else None
+        if recast is not None:
+            return recast
+        if activations is not None:
+            return activations.pack(tensor)
+        # Detached: a tensor an op saved of its own output, handed back with its grad_fn, would make a cycle
+        # through autograd's graph that only backward breaks (see ActivationOffloader). Unpacked, autograd gives
+        # it back its history.
+        return tensor.detach() if tensor.grad_fn is not None else tensor
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Recast):
+            return packed.make()
+        return activations.unpack(packed) if activations is not None else packed
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        if activations is not None:
+            activations.forget()

@@ -77,6 +77,20 @@ def test_amp_lowers_the_peak_within_a_documented_tolerance(precision: str, refer
         assert (a - b).abs().max() <= 0.05 * a.abs().max() + 1e-6
 
 
+@pytest.mark.parametrize("activation_offload", [False, True], ids=["layer offload", "layer and activation offload"])
+def test_offload_under_amp_keeps_amps_gradients_exactly(activation_offload: bool) -> None:
+    """Weights' half-precision copies are made again in backward rather than kept: the same casts, so the same
+    gradients, bit for bit, as amp alone."""
+    batch = lm_batch()
+    amp_peak, amp_grads, amp_loss = measure(Plan(precision="bf16"), batch)
+    plan = Plan(precision="bf16", activation_offload=activation_offload, offload_layers=LAYERS)
+    peak, grads, loss = measure(plan, batch)
+    assert peak < amp_peak
+    assert loss == amp_loss
+    for a, b in zip(amp_grads, grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
 def test_generic_model_checkpointing_wraps_its_repeated_blocks() -> None:
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
