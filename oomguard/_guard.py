@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +41,12 @@ from oomguard._events import (
     log_event,
     logger,
 )
-from oomguard._memory import MemoryBackend, MemorySnapshot, current_backend, format_bytes, snapshot
+from oomguard._memory import MemoryBackend, current_backend, snapshot
 from oomguard._persist import PlanStore, model_fingerprint
 from oomguard._plan import RUNG_ORDER, Plan
-from oomguard._planbook import Choice, PlanBook, batch_bucket, grad_bytes, items_per_sample
+from oomguard._planbook import PlanBook, batch_bucket, grad_bytes, items_per_sample
 from oomguard._predict import PeakModel
+from oomguard._recovery import Call, Failed, free_failed_attempt, give_up_message, stop_if_exhausted
 from oomguard._results import GuardSummary, StepResult
 from oomguard._rungs import Rung, RungContext, bf16_supported, resolve_ladder
 from oomguard._step import Reduction, StepRunner
@@ -57,47 +56,6 @@ from oomguard._transaction import JournalMode, OptimizerTransaction, Scheduler
 __all__ = ["OOMGuard"]
 
 _EVENTS_KEPT = 10_000  # in memory; the log file keeps everything
-
-
-@dataclass(eq=False)
-class _Failed:
-    """A failed attempt, as tenacity sees it: the plan and a summary, never the exception."""
-
-    plan: Plan
-    summary: FailureSummary
-    seconds: float
-    base: int  # allocated when the attempt began
-
-
-@dataclass(eq=False)
-class _Call:
-    """The state of one guarded call across its attempts."""
-
-    batch: Any
-    size: int
-    backend: MemoryBackend
-    choice: Choice
-    plan: Plan
-    items_per_sample: float
-    tried: list[tuple[Plan, FailureSummary]] = field(default_factory=list)
-    seconds_lost: float = 0.0
-    exhausted: bool = False
-    time_up: bool = False
-    started: float = field(default_factory=time.monotonic)
-
-
-def _flush_autograd_queue(device: torch.device) -> None:
-    """Free the gradients a failed backward left queued in autograd's engine.
-
-    When backward raises, the tasks it had queued but not run stay in the engine's per-device ready queue, each
-    holding its input gradients, until the next backward on that device drains them. A tiny backward does it
-    now, so memory is back to what it was before the attempt.
-    """
-    try:
-        torch.zeros((), device=device, requires_grad=True).mul(1.0).backward()  # type: ignore[no-untyped-call]
-    except Exception as exc:  # an OOM here only delays the release to the retry's own backward
-        if not is_oom(exc):
-            raise
 
 
 def _no_sleep(_: float) -> None:
@@ -207,11 +165,11 @@ class OOMGuard:
         self._recovered = 0
         self._exhausted = 0
         self._seconds_lost = 0.0
-        stop = tenacity.stop_after_attempt(max_attempts) | _stop_if_exhausted
+        stop = tenacity.stop_after_attempt(max_attempts) | stop_if_exhausted
         self._max_attempts = max_attempts
         self._max_seconds = max_recovery_seconds
         self._retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_result(lambda outcome: isinstance(outcome, _Failed)),
+            retry=tenacity.retry_if_result(lambda outcome: isinstance(outcome, Failed)),
             stop=stop,
             after=self._recover,
             retry_error_callback=self._give_up,
@@ -311,7 +269,7 @@ class OOMGuard:
             agreed = agreement.plan(choice.plan, size)
             if agreed != choice.plan:
                 choice = dataclasses.replace(choice, plan=agreed, relaxing=False, fallback=None)
-        call = _Call(batch, size, backend, choice, choice.plan, per_sample)
+        call = Call(batch, size, backend, choice, choice.plan, per_sample)
         self._last_bucket = choice.bucket
         result = self._retrying(self._attempt, call)
         if not isinstance(result, StepResult):  # tenacity returns a failure only through _give_up, which raises
@@ -338,9 +296,7 @@ class OOMGuard:
                 summary = FailureSummary.from_exception(exc, "optimizer", 0, snapshot(backend))
             # Outside the except block: the exception and its frames are gone.
             plan = self._last_plan
-            self._runner.zero_grad()
-            gc.collect()
-            backend.empty_cache()
+            free_failed_attempt(self._runner, backend, self._device, "optimizer", base=None)
             tried.append((plan, summary))
             seconds = time.perf_counter() - started
             self._ooms += 1
@@ -390,7 +346,7 @@ class OOMGuard:
             return None
         return predictor.max_micro_batch(plan, capacity, backend.memory_allocated(), per_sample, self._grad_bytes)
 
-    def _attempt(self, call: _Call) -> StepResult | _Failed:
+    def _attempt(self, call: Call) -> StepResult | Failed:
         plan = call.plan
         started = time.perf_counter()
         try:
@@ -409,10 +365,10 @@ class OOMGuard:
                 items = round(output.micro_batch_size * call.items_per_sample)
                 predictor.record_success(plan, items, output.peak - output.base, self._grad_bytes)
             return self._succeed(call, plan, output.loss, output.grad_norm, output.micro_batches, output.peak)
-        return _Failed(plan, summary, time.perf_counter() - started, self._runner.base)
+        return Failed(plan, summary, time.perf_counter() - started, self._runner.base)
 
     def _succeed(
-        self, call: _Call, plan: Plan, loss: float, grad_norm: float | None, micro_batches: int, peak: int
+        self, call: Call, plan: Plan, loss: float, grad_norm: float | None, micro_batches: int, peak: int
     ) -> StepResult:
         step = self._steps
         self._steps += 1
@@ -454,7 +410,7 @@ class OOMGuard:
             self._emit(ProgressEvent(step, plan.to_dict(), memory, loss, choice.bucket, dict(self._steps_by_rung)))
         return result
 
-    def _emit_relax(self, call: _Call, outcome: str) -> None:
+    def _emit_relax(self, call: Call, outcome: str) -> None:
         choice = call.choice
         assert choice.fallback is not None
         self._emit(
@@ -472,26 +428,13 @@ class OOMGuard:
 
     def _recover(self, retry_state: tenacity.RetryCallState) -> None:
         """After a failed attempt: free what it held, log it, and move one rung down."""
-        call: _Call = retry_state.args[0]
+        call: Call = retry_state.args[0]
         failed = retry_state.outcome.result() if retry_state.outcome is not None else None
-        if not isinstance(failed, _Failed):
+        if not isinstance(failed, Failed):
             raise AssertionError("tenacity retried an attempt that did not fail")
         cleanup_started = time.perf_counter()
-        self._runner.zero_grad()
-        if failed.summary.phase == "backward":
-            _flush_autograd_queue(self._device)
         backend = call.backend
-        # The failed attempt's error and frames may form reference cycles that hold its tensors: made as it
-        # unwound, they are young, and collecting the young generations costs microseconds. The full pass
-        # (~0.2 s with transformers loaded) only where memory is still above where the attempt began.
-        gc.collect(1)
-        if not backend.tracks_allocations or backend.memory_allocated() > failed.base:
-            gc.collect()
-        try:
-            backend.empty_cache()
-        except Exception as exc:  # a device too full even to return its cache: nothing more was freed
-            if not is_oom(exc):
-                raise
+        free_failed_attempt(self._runner, backend, self._device, failed.summary.phase, failed.base)
         freed = snapshot(backend)
         call.tried.append((failed.plan, failed.summary))
         lost = failed.seconds + time.perf_counter() - cleanup_started  # the attempt and the cleanup after it
@@ -553,7 +496,7 @@ class OOMGuard:
             )
         )
 
-    def _learn_from_failure(self, call: _Call, failed: _Failed) -> None:
+    def _learn_from_failure(self, call: Call, failed: Failed) -> None:
         predictor, capacity = self._book.predictor, call.backend.total_memory()
         if predictor is None or capacity is None or not call.backend.tracks_allocations:
             return
@@ -561,7 +504,7 @@ class OOMGuard:
         predictor.record_failure(failed.plan, items, capacity, failed.base, self._grad_bytes)
 
     def _give_up(self, retry_state: tenacity.RetryCallState) -> StepResult:
-        call: _Call = retry_state.args[0]
+        call: Call = retry_state.args[0]
         memory = snapshot(call.backend)
         error: type[LadderExhausted | RecoveryLimitExceeded]
         if call.exhausted:
@@ -581,36 +524,11 @@ class OOMGuard:
                 tried=tuple(plan.to_dict() for plan, _ in call.tried),
             )
         )
-        raise error(
-            self._give_up_message(call, reason, memory), step=self._steps, tried=tuple(call.tried), memory=memory
-        )
-
-    def _give_up_message(self, call: _Call, reason: str, memory: MemorySnapshot) -> str:
-        last = call.tried[-1][1]
-        headline = {
-            "ladder": "every plan on the ladder ran out of memory",
-            "attempts": f"the bound of {self._max_attempts} attempts was reached",
-            "time": f"the bound of {self._max_seconds} s of recovery was reached",
-        }[reason]
-        tried = "\n".join(
-            f"  {i}. {plan.describe(call.size)}: {summary.describe()}"
-            for i, (plan, summary) in enumerate(call.tried, 1)
-        )
-        fix = {
-            "ladder": (
-                f"lower the batch size or sequence length, add rungs to ladder= (in use: "
-                f"{', '.join(self.ladder.names) or 'none'}), or use a smaller model or a larger GPU"
-            ),
-            "attempts": "raise max_attempts=, or lower the batch size so fewer fallbacks are needed",
-            "time": "raise max_recovery_seconds=, or lower the batch size so fewer fallbacks are needed",
-        }[reason]
-        return (
-            f"oomguard gave up on step {self._steps} (a batch of {call.size} sample(s)): {headline}; the model, "
-            f"optimizer and scheduler are unchanged.\nTried:\n{tried}\n"
-            f"Memory: capacity {format_bytes(last.memory.capacity)}, in use {format_bytes(last.memory.allocated)} "
-            f"at the last failure, tried to allocate {format_bytes(last.requested_bytes)}; "
-            f"{format_bytes(memory.allocated)} in use after freeing.\nWhat you can do: {fix}."
-        )
+        message = give_up_message(
+            call, reason, memory, step=self._steps, max_attempts=self._max_attempts, max_seconds=self._max_seconds,
+            rungs=", ".join(self.ladder.names),
+        )  # fmt: skip
+        raise error(message, step=self._steps, tried=tuple(call.tried), memory=memory)
 
     def _emit(self, event: Event) -> None:
         self._events.append(event)
@@ -620,14 +538,3 @@ class OOMGuard:
                 sink(event)
             except Exception:  # a broken sink must not kill a long training job
                 logger.exception("oomguard: event sink %r failed", sink)
-
-
-class _StopIfExhausted(tenacity.stop.stop_base):
-    """Stop once the ladder has nothing cheaper to offer, or the (agreed) time bound is reached."""
-
-    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
-        call: _Call = retry_state.args[0]
-        return call.exhausted or call.time_up
-
-
-_stop_if_exhausted = _StopIfExhausted()
