@@ -27,7 +27,7 @@ class Failed:
     plan: Plan
     summary: FailureSummary
     seconds: float
-    base: int  # allocated when the attempt began
+    base: int  # allocated when the attempt began, after its plan was applied
 
 
 @dataclass(eq=False)

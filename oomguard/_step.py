@@ -73,7 +73,7 @@ class AttemptOutput:
     grad_norm: float | None
     micro_batches: int
     micro_batch_size: int
-    base: int  # device memory allocated when the attempt began
+    base: int  # device memory allocated when the attempt began, after its plan was applied
     peak: int  # the attempt's peak device memory
 
 
@@ -211,6 +211,10 @@ class StepRunner:
     ) -> tuple[int, torch.Tensor | None]:
         if self.effects.apply(plan, backend):
             self.transaction.invalidate()  # the step's memory profile changed with the plan
+            # Offload moved memory to the host (or restoring brought it back): the attempt's base and peak are
+            # measured from here, so the peak model learns what the plan costs, not what applying it freed.
+            backend.reset_peak_memory_stats()
+            self.base = backend.memory_allocated()
         self.phase = "split"
         parts, weights = self._parts(batch, size, plan)
         total: torch.Tensor | None = None

@@ -419,6 +419,25 @@ def test_predictive_sizing_needs_fewer_ooms_than_halving(scenario: Any) -> None:
         assert all(result.ooms == 0 for result in large[1:]), "the large batches' bucket has learnt its plan"
 
 
+def test_the_peak_model_measures_an_attempt_from_where_its_plan_left_memory() -> None:
+    """Layer offload moves weights and Adam state to the host as a plan is applied, at the start of the attempt:
+    measured from before that, the first step on the plan looked cheaper than it is (here 7.9 MB above base
+    instead of 10.2), and the peak model would have offered micro-batches that do not fit."""
+    model = make_llama(layers=4, hidden=128)
+    guard = OOMGuard(lambda b: model(**b), model=model, optimizer=adamw(model), ladder=["layer_offload"])
+    guard.plan = Plan(offload_layers=4)
+    predictor = guard._book.predictor
+    assert predictor is not None
+    excess = []
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        for _ in range(2):  # the first step applies the plan, the second runs on it as it stands
+            guard(lm_batch(32, 0))
+            (fit,) = predictor._fits.values()
+            excess.append(fit.successes[-1][1])
+    assert excess[0] == excess[1], f"peak above base: {excess[0]} B applying the plan, {excess[1]} B after"
+
+
 # -- 7. telemetry degrades quietly -------------------------------------------------------------------------------
 
 
