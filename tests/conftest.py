@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from oomguard.testing import SimulatedGPU
+
 VOCAB = 64
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one intra-op thread per test worker: no oversubscribed cores
@@ -87,3 +89,24 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 def first_event(events: list[Any], kind: str) -> Any:
     """The first event of ``kind`` (progress events interleave with the others)."""
     return next(event for event in events if event.kind == kind)
+
+
+class CountingGPU(SimulatedGPU):
+    """A SimulatedGPU that calls :meth:`counted` whenever its allocation count grows, from inside its own
+    bookkeeping (the count is a plain attribute the simulator increments)."""
+
+    def __init__(self, capacity: int | str) -> None:
+        self._count = 0
+        super().__init__(capacity)
+
+    @property
+    def allocations(self) -> int:
+        return self._count
+
+    @allocations.setter
+    def allocations(self, value: int) -> None:
+        before, self._count = self._count, value
+        self.counted(before, value)
+
+    def counted(self, before: int, after: int) -> None:
+        """Allocations ``before + 1`` to ``after`` were just made."""

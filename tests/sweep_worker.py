@@ -37,10 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import make_llama, ragged_lm_batch
+from conftest import CountingGPU, make_llama, ragged_lm_batch
 
 from oomguard import OOMEvent, OOMGuard, Plan, StepResult
-from oomguard.testing import SimulatedGPU
 
 CAPACITY = "64MiB"  # roomy: the only out-of-memory errors are the injected ones
 MAX_GRAD_NORM = 0.05  # small enough that clipping really rescales the gradients
@@ -239,26 +238,19 @@ def automatic_gc_off() -> Iterator[None]:
             gc.enable()
 
 
-class PhaseGPU(SimulatedGPU):
+class PhaseGPU(CountingGPU):
     """A SimulatedGPU that also records, for every device allocation, the phase of the step it was made in
     (``"outside"`` before the first attempt), and the memory in use as each attempt begins."""
 
     def __init__(self, capacity: int | str) -> None:
-        self._count = 0
         self.phases: list[str] = []
         self.phase: Callable[[], str] = lambda: "outside"
         self.attempt_bases: list[int] = []
         super().__init__(capacity)
 
-    @property
-    def allocations(self) -> int:
-        return self._count
-
-    @allocations.setter
-    def allocations(self, value: int) -> None:
+    def counted(self, before: int, after: int) -> None:
         phase = self.phase() if self.attempt_bases else "outside"
-        self.phases.extend([phase] * (value - self._count))
-        self._count = value
+        self.phases.extend([phase] * (after - before))
 
     def reset_peak_memory_stats(self) -> None:
         self.attempt_bases.append(self.memory_allocated())  # each attempt starts here (oomguard/_step.py)

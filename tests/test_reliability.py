@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import RecordingSGD, make_llama, make_mlp, tuple_batch
+from conftest import CountingGPU, RecordingSGD, make_llama, make_mlp, tuple_batch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from sweep_worker import TINY, TinyNet, clone_state, differences, initial_state, run_step, young_garbage_only
@@ -444,23 +444,16 @@ def test_an_interrupt_after_an_unjournaled_step_changed_tensors_says_the_model_i
 # -- the simulator under the garbage collector ------------------------------------------------------------------
 
 
-class CollectsWhileCounting(SimulatedGPU):
+class CollectsWhileCounting(CountingGPU):
     """Drops the last reference to a tracked tensor while the simulator updates its allocation count, inside its
     own bookkeeping, as a garbage collection that runs at that moment does (any allocation can start one)."""
 
     def __init__(self, capacity: int | str) -> None:
         self.doomed: list[torch.Tensor] = []
         self.would_deadlock = False
-        self._count = 0
         super().__init__(capacity)
 
-    @property
-    def allocations(self) -> int:
-        return self._count
-
-    @allocations.setter
-    def allocations(self, value: int) -> None:
-        self._count = value
+    def counted(self, before: int, after: int) -> None:
         if not self.doomed:
             return
         if not self._lock.acquire(blocking=False):  # the tensor's finalizer would wait here forever
