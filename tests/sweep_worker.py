@@ -366,15 +366,15 @@ def initial_state(workload: Workload = TINY) -> Snapshot:
 
 
 def differences(a: Any, b: Any, path: str = "", tolerance: float = 0.0) -> list[str]:
-    """Where two nested states differ: tensors bit for bit (or within ``tolerance`` relative and a tenth of it
-    absolute), everything else by ==."""
+    """Where two nested states differ: tensors bit for bit (or within ``tolerance``, relative and absolute),
+    everything else by ==."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.shape != b.shape or a.dtype != b.dtype:
             return [f"{path}: {tuple(a.shape)} {a.dtype} != {tuple(b.shape)} {b.dtype}"]
         if tolerance == 0.0 or not a.is_floating_point():
             same = torch.equal(a, b)
         else:
-            same = torch.allclose(a, b, rtol=tolerance, atol=tolerance / 10)
+            same = torch.allclose(a, b, rtol=tolerance, atol=tolerance)
         return [] if same else [f"{path}: differs by up to {(a.double() - b.double()).abs().max().item():.3g}"]
     if isinstance(a, Snapshot) and isinstance(b, Snapshot):
         return [
@@ -399,9 +399,12 @@ def differences(a: Any, b: Any, path: str = "", tolerance: float = 0.0) -> list[
 
 # Micro-batching changes the order in which float gradients are summed (accumulated per micro-batch, weighted),
 # so a step recovered on micro-batches equals a whole-batch step only up to rounding: weights within 1e-5
-# relative, 1e-6 absolute (a ten-thousandth of one Adam step at lr 1e-2; Adam's first step divides a gradient by
-# its own magnitude, so a rounding change in a near-zero gradient moves its weight by up to that). Everything
-# else is compared bit for bit.
+# relative and absolute (a thousandth of one Adam step at lr 1e-2). Adam's first step divides a gradient by its
+# own magnitude plus eps, so a rounding change in a gradient that cancels to near eps moves its weight by far
+# more than the rounding itself: fault-free steps of the test Llama on micro-batches of 1 and of 2 differ by up to
+# 1.4e-6 in one weight with transformers 5.24 (a tenth of this bound was enough with earlier releases). A lost or
+# doubled sample is caught by the bit-for-bit comparison with the same plan and by the sample ids, not by this
+# one. Everything else is compared bit for bit.
 MICRO_BATCH_TOLERANCE = 1e-5
 
 
