@@ -16,10 +16,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import Plan
-from oomguard._data import stdlib_text, text_batches
-from oomguard._demo import DemoConfig, build_model
-from oomguard._memory import format_bytes
-from oomguard._planner import dry_run
+from oomguard._backends.memory import format_bytes
+from oomguard._cli.data import stdlib_text, text_batches
+from oomguard._cli.demo import DemoConfig, build_model
+from oomguard._planner.engine import dry_run
 
 __all__ = ["LR", "Batch", "Scenario", "ScenarioSpec", "build_scenario", "specs"]
 

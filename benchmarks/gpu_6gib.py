@@ -38,10 +38,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import oomguard
 from oomguard import OOMGuard, Plan
-from oomguard._data import stdlib_text, text_batches
-from oomguard._memory import format_bytes
-from oomguard._planner import dry_run
-from oomguard._presets import load_config
+from oomguard._backends.memory import format_bytes
+from oomguard._cli.data import stdlib_text, text_batches
+from oomguard._planner.engine import dry_run
+from oomguard._planner.presets import load_config
 from oomguard.testing import parse_bytes
 
 MODEL = "tinyllama-1.1b"

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from oomguard import OOMGuard, Plan
-from oomguard._data import stdlib_text, text_batches
-from oomguard._demo import DemoConfig, build_model
-from oomguard._memory import format_bytes
+from oomguard._backends.memory import format_bytes
+from oomguard._cli.data import stdlib_text, text_batches
+from oomguard._cli.demo import DemoConfig, build_model
 from oomguard.testing import SimulatedGPU, parse_bytes
 
 CONFIG = DemoConfig(batch_size=8, seq_len=256, hidden_size=128, layers=4)

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from oomguard import oom_guard
-from oomguard._data import stdlib_text, text_batches
-from oomguard._demo import DemoConfig, build_model
+from oomguard._cli.data import stdlib_text, text_batches
+from oomguard._cli.demo import DemoConfig, build_model
 
 
 def _hand_written(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> Callable[[Any], float]:

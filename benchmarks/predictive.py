@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from oomguard import OOMGuard
-from oomguard._data import stdlib_text, text_batches
-from oomguard._demo import DemoConfig, build_model
+from oomguard._cli.data import stdlib_text, text_batches
+from oomguard._cli.demo import DemoConfig, build_model
 from oomguard.testing import SimulatedGPU
 
 CONFIG = DemoConfig(batch_size=32, seq_len=64, hidden_size=64, layers=2)

@@ -34,7 +34,7 @@ from _scenarios import Scenario, build_scenario, specs
 from _tables import markdown
 from overhead import measure
 
-from oomguard._demo import DemoConfig
+from oomguard._cli.demo import DemoConfig
 
 HERE = Path(__file__).resolve().parent
 

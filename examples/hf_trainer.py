@@ -14,7 +14,7 @@ import logging
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from oomguard._data import stdlib_text
+from oomguard._cli.data import stdlib_text
 from oomguard.integrations.transformers import OOMGuardTrainer
 from oomguard.testing import SimulatedGPU
 

@@ -13,7 +13,7 @@ held and retries the same batch one rung down a ladder of fallbacks, starting wi
         result = train_step(batch)   # one optimizer step per call, however the batch was split
 """
 
-from oomguard._batch import batch_size, split_batch
+from oomguard._backends.memory import MemorySnapshot
 from oomguard._decorator import GuardedStep, oom_guard
 from oomguard._detect import is_fatal_device_error, is_oom
 from oomguard._errors import (
@@ -36,13 +36,13 @@ from oomguard._events import (
     RecoveredEvent,
     RelaxEvent,
 )
-from oomguard._guard import OOMGuard
-from oomguard._memory import MemorySnapshot
-from oomguard._plan import Plan
-from oomguard._plan_api import plan
-from oomguard._planner import Candidate, PlanReport
-from oomguard._results import GuardSummary, StepResult
-from oomguard._rungs import ActivationOffload, Amp, Checkpointing, LayerOffload, MicroBatch, Rung, RungContext
+from oomguard._guard.guard import OOMGuard
+from oomguard._guard.results import GuardSummary, StepResult
+from oomguard._ladder.plan import Plan
+from oomguard._ladder.rungs import ActivationOffload, Amp, Checkpointing, LayerOffload, MicroBatch, Rung, RungContext
+from oomguard._planner.api import plan
+from oomguard._planner.engine import Candidate, PlanReport
+from oomguard._step.batch import batch_size, split_batch
 
 __version__ = "0.1.0"
 

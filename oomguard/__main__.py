@@ -2,7 +2,7 @@
 
 import sys
 
-from oomguard._cli import main
+from oomguard._cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,13 +9,13 @@ from typing import Any, Generic, TypeVar, overload
 
 import torch
 
+from oomguard._effects.transaction import JournalMode, Scheduler
 from oomguard._events import EventSink
-from oomguard._guard import OOMGuard
-from oomguard._planbook import batch_bucket
-from oomguard._results import StepResult
-from oomguard._rungs import Rung
-from oomguard._step import Reduction
-from oomguard._transaction import JournalMode, Scheduler
+from oomguard._guard.buckets import batch_bucket
+from oomguard._guard.guard import OOMGuard
+from oomguard._guard.results import StepResult
+from oomguard._ladder.rungs import Rung
+from oomguard._step.runner import Reduction
 
 __all__ = ["GuardedStep", "oom_guard"]
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from oomguard._backends.memory import MemorySnapshot
     from oomguard._events import FailureSummary
-    from oomguard._memory import MemorySnapshot
-    from oomguard._plan import Plan
+    from oomguard._ladder.plan import Plan
 
 __all__ = [
     "BatchSplitError",

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from oomguard._memory import MemorySnapshot, format_bytes
+from oomguard._backends.memory import MemorySnapshot, format_bytes
 
 __all__ = [
     "Event",

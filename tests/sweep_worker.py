@@ -253,7 +253,7 @@ class PhaseGPU(CountingGPU):
         self.phases.extend([phase] * (after - before))
 
     def reset_peak_memory_stats(self) -> None:
-        self.attempt_bases.append(self.memory_allocated())  # each attempt starts here (oomguard/_step.py)
+        self.attempt_bases.append(self.memory_allocated())  # each attempt starts here (oomguard/_step/runner.py)
         super().reset_peak_memory_stats()
 
 
@@ -580,7 +580,7 @@ DIST_CONFIGS = ("whole batch", "micro-batches", "checkpointing full", "layer off
 # The sampled run's: from the whole batch a fault in forward or backward recovers on micro-batches, one in
 # clipping or the optimizer step into layer offload; with layer offload engaged, the failed attempt itself has
 # moved weights to the host, so memory in use drops below where the attempt began even if the attempt's
-# activations were still held (they were, under DDP, until a reference cycle was broken in oomguard/_step.py).
+# activations were still held (they were, under DDP, until a reference cycle was broken in oomguard/_step/runner.py).
 DEFAULT_DIST_CONFIGS = ("whole batch", "layer offload")
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oomguard import BatchSplitError, batch_size, split_batch
-from oomguard._batch import count_items, default_item_counter
+from oomguard._step.batch import count_items, default_item_counter
 
 IGNORE = -100
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from oomguard._cli import _parser, main
-from oomguard._demo import run
+from oomguard._cli.demo import run
+from oomguard._cli.main import _parser, main
 
 
 @pytest.fixture(scope="module")

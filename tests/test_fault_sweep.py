@@ -48,7 +48,7 @@ from sweep_worker import (
 )
 
 from oomguard import FallbackEvent, OOMGuard, Plan
-from oomguard._distributed import Agreement
+from oomguard._distributed.agreement import Agreement
 from oomguard.testing import SimulatedGPU
 
 TINY_CONFIGS = rung_configs(TINY.blocks)
@@ -217,10 +217,10 @@ def test_a_second_oom_while_the_next_rung_is_applied_is_recovered(name: str) -> 
 
 def test_an_oom_inside_recoverys_autograd_flush_is_survived(monkeypatch: pytest.MonkeyPatch) -> None:
     """After a failed backward the guard runs a tiny backward to drain autograd's queue; it can fail too."""
-    import oomguard._recovery
+    import oomguard._guard.recovery
 
     references = References(initial_state(), TINY.batch(0))
-    flush = oomguard._recovery.flush_autograd_queue
+    flush = oomguard._guard.recovery.flush_autograd_queue
     gpus: list[SimulatedGPU] = []
     flushes: list[bool] = []
 
@@ -232,7 +232,7 @@ def test_an_oom_inside_recoverys_autograd_flush_is_survived(monkeypatch: pytest.
     def remember(gpu: PhaseGPU, guard: OOMGuard) -> None:
         gpus.append(gpu)
 
-    monkeypatch.setattr(oomguard._recovery, "flush_autograd_queue", failing_flush)
+    monkeypatch.setattr(oomguard._guard.recovery, "flush_autograd_queue", failing_flush)
     backward = [i for i, phase in enumerate(references[Plan()].phases, 1) if phase == "backward"]
     for index in (backward[0], backward[len(backward) // 2], backward[-1]):
         outcome = run_step(references.state, references.batch, Plan(), fault=index, arm=remember)
@@ -308,7 +308,7 @@ def test_a_failed_forward_held_in_a_reference_cycle_is_freed(
     workload = dataclasses.replace(TINY, loss=_step_that_keeps_its_error) if case.startswith("a step") else TINY
     arm = _distributed if case == "the distributed path" else None
     if not garbage_collection:
-        monkeypatch.setattr("oomguard._recovery.gc.collect", lambda generation=2: 0)
+        monkeypatch.setattr("oomguard._guard.recovery.gc.collect", lambda generation=2: 0)
     references = References(initial_state(), TINY.batch(0))
     forward = [i for i, phase in enumerate(references[plan].phases, 1) if phase == "forward"]
     freed: dict[int, int] = {}

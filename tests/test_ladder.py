@@ -11,7 +11,7 @@ import torch
 from conftest import RecordingSGD, first_event, make_llama, make_mlp, mse_step, tuple_batch
 
 from oomguard import LadderExhausted, OOMGuard, Plan, oom_guard
-from oomguard._rungs import Amp
+from oomguard._ladder.rungs import Amp
 from oomguard.testing import SimulatedGPU
 
 LAYERS, HIDDEN = 4, 64

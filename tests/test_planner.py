@@ -14,9 +14,9 @@ from conftest import VOCAB, make_llama
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import OOMGuard, Plan, oom_guard, plan
-from oomguard._cli import main
-from oomguard._planner import device_overhead, dry_run, tensor_budget
-from oomguard._presets import PRESETS
+from oomguard._cli.main import main
+from oomguard._planner.engine import device_overhead, dry_run, tensor_budget
+from oomguard._planner.presets import PRESETS
 from oomguard.testing import SimulatedGPU
 
 LAYERS, HIDDEN = 2, 32

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from oomguard import is_oom
-from oomguard._memory import current_backend
+from oomguard._backends.memory import current_backend
 from oomguard.testing import SimulatedGPU, parse_bytes
 
 BLOCK = 512  # CUDA's caching allocator hands out multiples of 512 bytes

@@ -21,9 +21,9 @@ import torch
 from conftest import make_llama, make_mlp, mse_step, tuple_batch
 
 from oomguard import OOMGuard, Plan, RecoveryLimitExceeded, StepResult
-from oomguard._persist import PlanStore, model_fingerprint
-from oomguard._planbook import batch_bucket
-from oomguard._telemetry import fragmentation, nvml_snapshot
+from oomguard._backends.telemetry import fragmentation, nvml_snapshot
+from oomguard._guard.buckets import batch_bucket
+from oomguard._guard.persist import PlanStore, model_fingerprint
 from oomguard.testing import SimulatedGPU
 
 # An MLP (16 -> 256 -> 1) with AdamW on batches of 64 samples. Measured on the simulator: once Adam's state
@@ -310,8 +310,8 @@ def test_a_corrupt_state_file_is_ignored_with_one_warning_and_rewritten(
 # SIGKILL at a random moment, exactly as a restarted subprocess would be.
 _ZYGOTE = r"""
 import os, sys
-from oomguard._persist import PlanStore
-from oomguard._plan import Plan
+from oomguard._guard.persist import PlanStore
+from oomguard._ladder.plan import Plan
 
 path = sys.argv[1]
 print("ready", flush=True)

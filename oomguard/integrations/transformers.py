@@ -29,7 +29,7 @@ import torch
 from transformers import Trainer
 
 from oomguard._errors import GuardConfigError
-from oomguard._guard import OOMGuard
+from oomguard._guard.guard import OOMGuard
 
 __all__ = ["OOMGuardTrainer"]
 

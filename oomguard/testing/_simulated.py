@@ -38,7 +38,7 @@ from torch.autograd.graph import increment_version
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from oomguard._memory import MemorySnapshot, _copy_into, format_bytes, pop_backend, push_backend, snapshot
+from oomguard._backends.memory import MemorySnapshot, _copy_into, format_bytes, pop_backend, push_backend, snapshot
 
 __all__ = ["SimulatedGPU", "parse_bytes"]
 

@@ -13,15 +13,15 @@ from typing import Any, Literal
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from oomguard._batch import count_items, split_batch
+from oomguard._backends.memory import MemoryBackend
 from oomguard._detect import is_oom
-from oomguard._distributed import Agreement, Verdict, quiet_ddp
-from oomguard._effects import Effects
+from oomguard._distributed.agreement import Agreement, Verdict, quiet_ddp
+from oomguard._distributed.peers import Outcome, peer_failure
+from oomguard._effects.effects import Effects
+from oomguard._effects.transaction import OptimizerTransaction, Scheduler
 from oomguard._errors import LossError, OOMGuardError
-from oomguard._memory import MemoryBackend
-from oomguard._peers import Outcome, peer_failure
-from oomguard._plan import Plan
-from oomguard._transaction import OptimizerTransaction, Scheduler
+from oomguard._ladder.plan import Plan
+from oomguard._step.batch import count_items, split_batch
 
 __all__ = ["AttemptOutput", "StepRunner", "loss_of"]
 
@@ -140,7 +140,7 @@ class StepRunner:
 
         On any exception the gradients are dropped and the optimizer step (if reached) is undone. Under
         distributed training every rank reaches the same agreements whatever failed where (see
-        :mod:`oomguard._distributed`): a rank whose peer failed raises too.
+        :mod:`oomguard._distributed.agreement`): a rank whose peer failed raises too.
         """
         self.phase, self.micro_batch = "apply", 0
         self.verdict = None

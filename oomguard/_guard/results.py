@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oomguard._plan import Plan
+from oomguard._ladder.plan import Plan
 
 __all__ = ["GuardSummary", "StepResult"]
 

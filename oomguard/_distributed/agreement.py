@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oomguard._peers import Outcome
-from oomguard._plan import Plan
+from oomguard._distributed.peers import Outcome
+from oomguard._ladder.plan import Plan
 
 __all__ = ["Agreement", "Verdict", "ddp_of", "distributed_active", "quiet_ddp", "unwrap"]
 

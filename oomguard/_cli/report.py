@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomguard._memory import format_bytes
-from oomguard._plan import RUNG_ORDER
+from oomguard._backends.memory import format_bytes
+from oomguard._ladder.plan import RUNG_ORDER
 
 __all__ = ["Report", "plot", "read_log"]
 

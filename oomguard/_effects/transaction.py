@@ -28,10 +28,10 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from oomguard._backends.memory import MemoryBackend
 from oomguard._detect import is_oom
+from oomguard._distributed.peers import Agree, peer_failure
 from oomguard._errors import StepRollbackError
-from oomguard._memory import MemoryBackend
-from oomguard._peers import Agree, peer_failure
 
 __all__ = ["JournalMode", "OptimizerTransaction"]
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from oomguard._checkpointing import enable_checkpointing
+from oomguard._backends.memory import MemoryBackend
+from oomguard._effects.checkpointing import enable_checkpointing
+from oomguard._effects.offload import ActivationOffloader, LayerOffloader, saved_tensor_hooks
 from oomguard._errors import GuardConfigError
-from oomguard._memory import MemoryBackend
-from oomguard._offload import ActivationOffloader, LayerOffloader, saved_tensor_hooks
-from oomguard._plan import CheckpointingMode, Plan, Precision
+from oomguard._ladder.plan import CheckpointingMode, Plan, Precision
 
 __all__ = ["Effects"]
 

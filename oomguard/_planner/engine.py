@@ -28,16 +28,16 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten
 
-from oomguard._batch import batch_size, split_batch
-from oomguard._blocks import find_blocks
-from oomguard._checkpointing import user_checkpointing
-from oomguard._distributed import unwrap
-from oomguard._guard import OOMGuard
-from oomguard._memory import format_bytes
-from oomguard._plan import Plan
-from oomguard._planbook import grad_bytes, items_per_sample
-from oomguard._predict import PeakModel
-from oomguard._rungs import Rung, RungContext, resolve_ladder
+from oomguard._backends.memory import format_bytes
+from oomguard._distributed.agreement import unwrap
+from oomguard._effects.blocks import find_blocks
+from oomguard._effects.checkpointing import user_checkpointing
+from oomguard._guard.buckets import grad_bytes, items_per_sample
+from oomguard._guard.guard import OOMGuard
+from oomguard._ladder.plan import Plan
+from oomguard._ladder.predict import PeakModel
+from oomguard._ladder.rungs import Rung, RungContext, resolve_ladder
+from oomguard._step.batch import batch_size, split_batch
 from oomguard.testing import SimulatedGPU
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 The model's parameters and buffers are swapped, in place, for fake tensors of the same shapes (so the user's
 step function, which calls the real model object, runs on them), the optimizer is rebuilt over the fakes with
-the same options, and the batch is faked too. :func:`oomguard._planner.dry_run` then walks the ladder on them
+the same options, and the batch is faked too. :func:`oomguard._planner.engine.dry_run` then walks the ladder on them
 within the memory that is free for this model; the real tensors are put back before anything else runs.
 Nothing real is computed or allocated on the device.
 """
@@ -19,9 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from oomguard._memory import MemoryBackend, format_bytes
-from oomguard._planner import CUDA_CONTEXT_BYTES, PlanReport, Target, dry_run
-from oomguard._rungs import Rung
+from oomguard._backends.memory import MemoryBackend, format_bytes
+from oomguard._ladder.rungs import Rung
+from oomguard._planner.engine import CUDA_CONTEXT_BYTES, PlanReport, Target, dry_run
 
 __all__ = ["preplan"]
 

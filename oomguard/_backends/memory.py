@@ -284,7 +284,7 @@ class CudaMemory:
         return f"{torch.cuda.get_device_name(self.device)}:{self.total_memory()}"
 
     def telemetry(self, requested: int | None) -> dict[str, Any] | None:
-        from oomguard._telemetry import fragmentation, nvml_snapshot
+        from oomguard._backends.telemetry import fragmentation, nvml_snapshot
 
         stats = torch.cuda.memory_stats(self.device)
         retries, self._retries_seen = self._retries_seen, int(stats.get("num_alloc_retries", 0))

@@ -20,10 +20,10 @@ from typing import Any, TextIO
 
 import torch
 
-from oomguard._data import VOCAB_SIZE, stdlib_text, text_batches
+from oomguard._backends.memory import current_backend, format_bytes
+from oomguard._cli.data import VOCAB_SIZE, stdlib_text, text_batches
 from oomguard._decorator import oom_guard
-from oomguard._memory import current_backend, format_bytes
-from oomguard._results import StepResult
+from oomguard._guard.results import StepResult
 from oomguard.testing import SimulatedGPU, parse_bytes
 
 __all__ = ["DemoConfig", "add_arguments", "run"]

@@ -19,13 +19,14 @@ from typing import Any
 import tenacity
 import torch
 
-from oomguard._batch import batch_size, default_item_counter
-from oomguard._blocks import find_blocks
-from oomguard._checkpointing import user_checkpointing
-from oomguard._config import check_optional_positive_int, validate
+from oomguard._backends.memory import MemoryBackend, current_backend, snapshot
+from oomguard._backends.telemetry import apply_expandable_segments
 from oomguard._detect import is_oom
-from oomguard._distributed import Agreement, ddp_of, distributed_active, unwrap
-from oomguard._effects import Effects
+from oomguard._distributed.agreement import Agreement, ddp_of, distributed_active, unwrap
+from oomguard._effects.blocks import find_blocks
+from oomguard._effects.checkpointing import user_checkpointing
+from oomguard._effects.effects import Effects
+from oomguard._effects.transaction import JournalMode, OptimizerTransaction, Scheduler
 from oomguard._errors import GuardConfigError, LadderExhausted, OOMGuardError, RecoveryLimitExceeded
 from oomguard._events import (
     Event,
@@ -41,17 +42,16 @@ from oomguard._events import (
     log_event,
     logger,
 )
-from oomguard._memory import MemoryBackend, current_backend, snapshot
-from oomguard._persist import PlanStore, model_fingerprint
-from oomguard._plan import RUNG_ORDER, Plan
-from oomguard._planbook import PlanBook, batch_bucket, grad_bytes, items_per_sample
-from oomguard._predict import PeakModel
-from oomguard._recovery import Call, Failed, free_failed_attempt, give_up_message, stop_if_exhausted
-from oomguard._results import GuardSummary, StepResult
-from oomguard._rungs import Rung, RungContext, bf16_supported, resolve_ladder
-from oomguard._step import Reduction, StepRunner
-from oomguard._telemetry import apply_expandable_segments
-from oomguard._transaction import JournalMode, OptimizerTransaction, Scheduler
+from oomguard._guard.buckets import PlanBook, batch_bucket, grad_bytes, items_per_sample
+from oomguard._guard.persist import PlanStore, model_fingerprint
+from oomguard._guard.recovery import Call, Failed, free_failed_attempt, give_up_message, stop_if_exhausted
+from oomguard._guard.results import GuardSummary, StepResult
+from oomguard._ladder.plan import RUNG_ORDER, Plan
+from oomguard._ladder.predict import PeakModel
+from oomguard._ladder.rungs import Rung, RungContext, bf16_supported, resolve_ladder
+from oomguard._options import check_optional_positive_int, validate
+from oomguard._step.batch import batch_size, default_item_counter
+from oomguard._step.runner import Reduction, StepRunner
 
 __all__ = ["OOMGuard"]
 
@@ -247,7 +247,7 @@ class OOMGuard:
 
     def _start_on_planned(self, backend: MemoryBackend, batch: Any) -> None:
         """``preplan=True``: start from the dry-run planner's recommendation for the first batch."""
-        from oomguard._preplan import preplan  # the planner drives a guard of its own
+        from oomguard._planner.fakes import preplan  # the planner drives a guard of its own
 
         report = preplan(
             self._step_fn, batch, model=self.model, optimizer=self.optimizer, backend=backend,

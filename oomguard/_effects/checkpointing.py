@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from oomguard._blocks import find_blocks, is_transformers_model
-from oomguard._plan import CheckpointingMode
+from oomguard._effects.blocks import find_blocks, is_transformers_model
+from oomguard._ladder.plan import CheckpointingMode
 
 __all__ = ["enable_checkpointing", "user_checkpointing"]
 

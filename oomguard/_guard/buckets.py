@@ -5,12 +5,12 @@
   the first time starts from the plan of the nearest smaller bucket (it needs at least as much), resized by the
   peak model when it has data.
 * **Stepping back up.** After ``relax_after`` consecutive clean steps on a degraded plan, the next call tries
-  the plan one rung up (:func:`~oomguard._rungs.relax`) once. If it fits, it is kept; if it runs out of memory,
+  the plan one rung up (:func:`~oomguard._ladder.rungs.relax`) once. If it fits, it is kept; if it runs out of memory,
   the same call falls back to the plan that worked and the wait before the next try doubles, so the guard never
   thrashes. Memory freed by another process is reclaimed this way.
-* **Predictive sizing** (:class:`~oomguard._predict.PeakModel`): micro-batch sizes come from measured peaks
+* **Predictive sizing** (:class:`~oomguard._ladder.predict.PeakModel`): micro-batch sizes come from measured peaks
   where there are any, instead of halving or doubling blindly.
-* **Persistence** (:class:`~oomguard._persist.PlanStore`): every change is written to the state file.
+* **Persistence** (:class:`~oomguard._guard.persist.PlanStore`): every change is written to the state file.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from typing import Any
 
 import torch
 
-from oomguard._persist import PlanStore
-from oomguard._plan import Plan
-from oomguard._predict import PeakModel
-from oomguard._rungs import relax
+from oomguard._guard.persist import PlanStore
+from oomguard._ladder.plan import Plan
+from oomguard._ladder.predict import PeakModel
+from oomguard._ladder.rungs import relax
 
 __all__ = ["Choice", "PlanBook", "batch_bucket", "items_per_sample"]
 
 
 def _largest_numel(batch: Any) -> int:
-    from oomguard._batch import _leaves
+    from oomguard._step.batch import _leaves
 
     return max((tensor.numel() for _, tensor in _leaves(batch)), default=0)
 

@@ -1,6 +1,6 @@
 """Rungs of the fallback ladder: each takes a plan and returns a cheaper one, or None when it has no more to give.
 
-Rungs are pure: they only compute plans. What a plan does to torch state lives in :mod:`oomguard._effects`.
+Rungs are pure: they only compute plans. What a plan does to torch state lives in :mod:`oomguard._effects.effects`.
 Each rung says which phases of a step it relieves (``relieves``): after an OOM in the optimizer step, halving
 the micro-batches would not help, so the ladder skips to the first rung that relieves the failing phase (and
 falls back to the first rung that can escalate at all when none does).
@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from oomguard._errors import GuardConfigError
-from oomguard._plan import Plan, Precision
+from oomguard._ladder.plan import Plan, Precision
 
 __all__ = [
     "DEFAULT_LADDER",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from oomguard._plan import Plan
+from oomguard._ladder.plan import Plan
 
 __all__ = ["PeakModel"]
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from oomguard._memory import MemoryBackend
+from oomguard._backends.memory import MemoryBackend
 
 __all__ = ["ActivationOffloader", "LayerOffloader", "saved_tensor_hooks"]
 

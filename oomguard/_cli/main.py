@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a small Llama (random init) on the standard library's source under a memory budget "
         "its starting batch does not fit; the guard recovers and reports which fallbacks it needed.",
     )
-    from oomguard import _demo
+    from oomguard._cli import demo as _demo
 
     _demo.add_arguments(demo)
     demo.set_defaults(run=_demo.run)
@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _presets() -> list[str]:
-    from oomguard._presets import PRESETS
+    from oomguard._planner.presets import PRESETS
 
     return list(PRESETS)
 
@@ -67,7 +67,7 @@ def _presets() -> list[str]:
 def _run_plan(args: argparse.Namespace) -> int:
     import json
 
-    from oomguard._plan_api import plan
+    from oomguard._planner.api import plan
 
     try:
         report = plan(
@@ -81,7 +81,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from oomguard._report import Report, plot, read_log
+    from oomguard._cli.report import Report, plot, read_log
 
     try:
         events = read_log(args.log)

@@ -10,12 +10,12 @@ from typing import Any
 import tenacity
 import torch
 
+from oomguard._backends.memory import MemoryBackend, MemorySnapshot, format_bytes
 from oomguard._detect import is_oom
 from oomguard._events import FailureSummary
-from oomguard._memory import MemoryBackend, MemorySnapshot, format_bytes
-from oomguard._plan import Plan
-from oomguard._planbook import Choice
-from oomguard._step import StepRunner
+from oomguard._guard.buckets import Choice
+from oomguard._ladder.plan import Plan
+from oomguard._step.runner import StepRunner
 
 __all__ = ["Call", "Failed", "free_failed_attempt", "give_up_message", "stop_if_exhausted"]
 

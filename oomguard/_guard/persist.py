@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from oomguard._plan import Plan
+from oomguard._ladder.plan import Plan
 
 __all__ = ["PlanStore", "model_fingerprint"]
 

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from oomguard._planner import PlanReport, Target, dry_run
-from oomguard._presets import load_config
-from oomguard._rungs import Rung
+from oomguard._ladder.rungs import Rung
+from oomguard._planner.engine import PlanReport, Target, dry_run
+from oomguard._planner.presets import load_config
 from oomguard.testing import parse_bytes
 
 if TYPE_CHECKING:
@@ -44,13 +44,13 @@ def plan(
     ladder, until one fits. Takes seconds for a 1B-parameter model on a laptop CPU.
 
     Args:
-        model: a preset name (see ``oomguard._presets.PRESETS``: ``"tinyllama-1.1b"``, ``"gpt2"``...), the path
+        model: a preset name (see ``oomguard._planner.presets.PRESETS``: ``"tinyllama-1.1b"``, ``"gpt2"``...), the path
             of a transformers ``config.json`` (or its folder), a config dict with ``model_type``, or a config.
         gpu_memory: the device's total memory, e.g. ``"6GiB"``.
         batch_size, seq_len: the batch, in sequences of ``seq_len`` tokens.
         optimizer: ``"adamw"`` or ``"sgd"`` (with momentum), as ``torch.optim`` runs them on CUDA (foreach).
         ladder: the guard's ladder (rung names or objects); the default ladder if None.
-        target: ``"cuda"`` adds :func:`oomguard._planner.device_overhead` to every peak; ``"simulated"`` plans
+        target: ``"cuda"`` adds :func:`oomguard._planner.engine.device_overhead` to every peak; ``"simulated"`` plans
             for a :class:`~oomguard.testing.SimulatedGPU` of that capacity (no overhead).
         bf16: whether the device runs bf16 (Ampere and newer); else mixed precision is fp16.
         max_grad_norm: plan with gradient clipping, as the guard's option of that name.

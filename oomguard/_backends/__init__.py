@@ -1,0 +1,2 @@
+"""Sources of the numbers: device memory backends (CUDA, the host, the shared accounting behind SimulatedGPU),
+telemetry, byte units."""

@@ -1,0 +1,1 @@
+"""The ``oomguard`` command: ``demo``, ``report`` and ``plan``."""

@@ -1,0 +1,1 @@
+"""The dry-run planner: which plan a training step needs, from one step on fake tensors."""

@@ -1,0 +1,1 @@
+"""One batch on one plan: splitting the batch, forward and backward per micro-batch, clip, step."""
