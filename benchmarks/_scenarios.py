@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import Plan
-from oomguard._backends.memory import format_bytes
+from oomguard._backends.units import format_bytes
 from oomguard._cli.data import stdlib_text, text_batches
 from oomguard._cli.demo import DemoConfig, build_model
 from oomguard._planner.engine import dry_run

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from oomguard._backends.memory import format_bytes
+from oomguard._backends.units import format_bytes
 
 __all__ = ["RESULT_COLUMNS", "markdown", "results_table"]
 

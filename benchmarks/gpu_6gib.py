@@ -38,11 +38,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import oomguard
 from oomguard import OOMGuard, Plan
-from oomguard._backends.memory import format_bytes
+from oomguard._backends.units import format_bytes, parse_bytes
 from oomguard._cli.data import stdlib_text, text_batches
 from oomguard._planner.engine import dry_run
 from oomguard._planner.presets import load_config
-from oomguard.testing import parse_bytes
 
 MODEL = "tinyllama-1.1b"
 _SETTLE = 2  # clean steps on the final plan before timing starts (allocator warm-up, first host-side Adam step)

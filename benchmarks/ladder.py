@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from oomguard import OOMGuard, Plan
-from oomguard._backends.memory import format_bytes
+from oomguard._backends.units import format_bytes, parse_bytes
 from oomguard._cli.data import stdlib_text, text_batches
 from oomguard._cli.demo import DemoConfig, build_model
-from oomguard.testing import SimulatedGPU, parse_bytes
+from oomguard.testing import SimulatedGPU
 
 CONFIG = DemoConfig(batch_size=8, seq_len=256, hidden_size=128, layers=4)
 PLANS: list[tuple[str, Plan]] = [

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from oomguard._backends.memory import MemorySnapshot, format_bytes
+from oomguard._backends.memory import MemorySnapshot
+from oomguard._backends.units import format_bytes, requested_bytes
 
 __all__ = [
     "Event",
@@ -33,9 +33,6 @@ __all__ = [
 
 logger = logging.getLogger("oomguard")
 
-_REQUESTED = re.compile(r"(?:Tried to allocate|you tried to allocate)\s+([0-9.]+)\s*(bytes|B|KiB|MiB|GiB|TiB)")
-_UNIT_BYTES = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-
 
 @dataclass(frozen=True)
 class FailureSummary:
@@ -51,9 +48,7 @@ class FailureSummary:
     @classmethod
     def from_exception(cls, exc: BaseException, phase: str, micro_batch: int, memory: MemorySnapshot) -> FailureSummary:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        match = _REQUESTED.search(str(exc))
-        requested = int(float(match.group(1)) * _UNIT_BYTES[match.group(2)]) if match else None
-        return cls(type(exc).__name__, message[:500], phase, micro_batch, requested, memory)
+        return cls(type(exc).__name__, message[:500], phase, micro_batch, requested_bytes(str(exc)), memory)
 
     def describe(self) -> str:
         where = (

@@ -14,28 +14,18 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from oomguard._backends.units import format_bytes
+
 __all__ = [
     "CpuMemory",
     "CudaMemory",
     "MemoryBackend",
     "MemorySnapshot",
+    "copy_into",
     "current_backend",
-    "format_bytes",
     "pop_backend",
     "push_backend",
 ]
-
-
-def format_bytes(n: int | float | None) -> str:
-    """``1536`` -> ``"1.5 KiB"``; ``None`` -> ``"unknown"``."""
-    if n is None:
-        return "unknown"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -178,7 +168,7 @@ class CpuMemory:
         return available is not None and available >= nbytes
 
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return _copy_into(tensor, out)
+        return copy_into(tensor, out)
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().clone()
@@ -299,7 +289,7 @@ def _fits(tensor: torch.Tensor, out: torch.Tensor | None) -> bool:
     return out is not None and out.shape == tensor.shape and out.dtype == tensor.dtype
 
 
-def _copy_into(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def copy_into(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``out.copy_(tensor)`` when ``out`` has the right shape and dtype, else a fresh clone."""
     if out is not None and _fits(tensor, out):
         return out.copy_(tensor.detach())

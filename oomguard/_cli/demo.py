@@ -20,11 +20,12 @@ from typing import Any, TextIO
 
 import torch
 
-from oomguard._backends.memory import current_backend, format_bytes
+from oomguard._backends.memory import current_backend
+from oomguard._backends.units import format_bytes, parse_bytes
 from oomguard._cli.data import VOCAB_SIZE, stdlib_text, text_batches
 from oomguard._decorator import oom_guard
 from oomguard._guard.results import StepResult
-from oomguard.testing import SimulatedGPU, parse_bytes
+from oomguard.testing import SimulatedGPU
 
 __all__ = ["DemoConfig", "add_arguments", "run"]
 

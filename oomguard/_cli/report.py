@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomguard._backends.memory import format_bytes
+from oomguard._backends.units import MiB, format_bytes
 from oomguard._ladder.plan import RUNG_ORDER
 
 __all__ = ["Report", "plot", "read_log"]
@@ -137,14 +137,13 @@ def plot(events: list[dict[str, Any]], path: str | Path, title: str = "oomguard"
     progress = [(step, e) for step, e in located if e["event"] == "progress"]
     if not progress:
         raise SystemExit("oomguard report --plot: the log has no progress events (run the guard with log_every=N)")
-    mib = 2**20
     steps = [step for step, _ in progress]
     figure, axes = plt.subplots(figsize=(10, 4), dpi=100)
-    axes.plot(steps, [e["memory"]["peak"] / mib for _, e in progress], marker=".", label="peak of the step")
-    axes.plot(steps, [e["memory"]["allocated"] / mib for _, e in progress], linestyle="--", label="in use after it")
+    axes.plot(steps, [e["memory"]["peak"] / MiB for _, e in progress], marker=".", label="peak of the step")
+    axes.plot(steps, [e["memory"]["allocated"] / MiB for _, e in progress], linestyle="--", label="in use after it")
     capacity = progress[-1][1]["memory"].get("capacity")
     if capacity:
-        axes.axhline(capacity / mib, color="black", linewidth=1, label=f"capacity ({format_bytes(capacity)})")
+        axes.axhline(capacity / MiB, color="black", linewidth=1, label=f"capacity ({format_bytes(capacity)})")
     for step, event in located:
         if event["event"] == "fallback" or (event["event"] == "relax" and event.get("outcome") == "held"):
             colour = "tab:red" if event["event"] == "fallback" else "tab:green"

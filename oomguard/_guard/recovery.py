@@ -10,7 +10,8 @@ from typing import Any
 import tenacity
 import torch
 
-from oomguard._backends.memory import MemoryBackend, MemorySnapshot, format_bytes
+from oomguard._backends.memory import MemoryBackend, MemorySnapshot
+from oomguard._backends.units import format_bytes
 from oomguard._detect import is_oom
 from oomguard._events import FailureSummary
 from oomguard._guard.buckets import Choice

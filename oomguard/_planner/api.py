@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from oomguard._backends.units import parse_bytes
 from oomguard._ladder.rungs import Rung
 from oomguard._planner.engine import PlanReport, Target, dry_run
 from oomguard._planner.presets import load_config
-from oomguard.testing import parse_bytes
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -28,7 +28,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten
 
-from oomguard._backends.memory import format_bytes
+from oomguard._backends.units import MiB, format_bytes
 from oomguard._distributed.agreement import unwrap
 from oomguard._effects.blocks import find_blocks
 from oomguard._effects.checkpointing import user_checkpointing
@@ -51,12 +51,11 @@ __all__ = [
     "dry_run",
 ]
 
-_MiB = 2**20
 #: The CUDA context and the kernel images loaded into it (CUDA 12 with lazy loading, torch 2.x): typically
 #: 300-500 MiB; taken at the upper middle. Not calibrated on a GPU yet.
-CUDA_CONTEXT_BYTES = 448 * _MiB
+CUDA_CONTEXT_BYTES = 448 * MiB
 #: cuBLAS workspace of the default stream (32 MiB on Hopper, less on older GPUs).
-CUDA_WORKSPACE_BYTES = 32 * _MiB
+CUDA_WORKSPACE_BYTES = 32 * MiB
 #: The caching allocator's rounding and fragmentation at the peak, as a share of the tensor peak.
 ALLOCATOR_SLACK = 0.10
 _UNLIMITED = 2**62

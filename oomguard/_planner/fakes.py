@@ -19,7 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from oomguard._backends.memory import MemoryBackend, format_bytes
+from oomguard._backends.memory import MemoryBackend
+from oomguard._backends.units import format_bytes
 from oomguard._ladder.rungs import Rung
 from oomguard._planner.engine import CUDA_CONTEXT_BYTES, PlanReport, Target, dry_run
 

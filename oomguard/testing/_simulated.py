@@ -26,7 +26,6 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
-import re
 import threading
 import weakref
 from collections.abc import Iterable
@@ -38,13 +37,12 @@ from torch.autograd.graph import increment_version
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from oomguard._backends.memory import MemorySnapshot, _copy_into, format_bytes, pop_backend, push_backend, snapshot
+from oomguard._backends.memory import MemorySnapshot, copy_into, pop_backend, push_backend, snapshot
+from oomguard._backends.units import format_bytes, parse_bytes
 
 __all__ = ["SimulatedGPU", "parse_bytes"]
 
 _ALIGN = 512  # CUDA's caching allocator rounds every block up to 512 bytes
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
 _aten = torch.ops.aten
 _FRESH = {_aten.lift_fresh.default}
 # Ops that update running statistics in place without saying so in their schema.
@@ -56,30 +54,6 @@ _UNANNOTATED_MUTATION = {
 # Batch-norm ops whose sixth argument is `training`; in eval mode they mutate nothing (and their meta kernels
 # report statistics outputs the CPU kernels do not allocate), so they are not sized in advance then.
 _BATCH_NORM_WITH_STATS = {_aten._native_batch_norm_legit.default}
-
-
-def parse_bytes(value: int | str) -> int:
-    """``"6GiB"`` -> ``6442450944``; ``"512 MB"`` -> ``512000000``; ints pass through.
-
-    >>> parse_bytes("1.5KiB")
-    1536
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"a memory size must be an int (bytes) or a string like '6GiB', got {value!r}")
-    if isinstance(value, int):
-        nbytes = value
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
-            raise ValueError(
-                f"cannot read {value!r} as a memory size: write a number and a unit, e.g. '6GiB', '512MiB', "
-                f"'800MB' or a plain number of bytes"
-            )
-        nbytes = int(float(match.group(1)) * _UNITS[unit])
-    if nbytes <= 0:
-        raise ValueError(f"a memory budget must be positive, got {value!r}")
-    return nbytes
 
 
 def _aligned(nbytes: int) -> int:
@@ -286,7 +260,7 @@ class SimulatedGPU:
         """A copy outside the accounting: host memory."""
         self._paused.active = True
         try:
-            copy = _copy_into(tensor, out)
+            copy = copy_into(tensor, out)
         finally:
             self._paused.active = False
         self._mark_host(copy.untyped_storage())

@@ -1,0 +1,72 @@
+"""Byte counts as people write them: ``"6GiB"`` in, ``"1.5 KiB"`` out.
+
+One place for units, so that a budget given on the command line, the size an OOM message says was requested and
+every figure the guard prints agree.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["GiB", "MiB", "format_bytes", "parse_bytes", "requested_bytes"]
+
+MiB = 2**20
+GiB = 2**30
+_UNITS = {"": 1, "b": 1, "bytes": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": MiB,
+          "g": 10**9, "gb": 10**9, "gib": GiB, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
+# "Tried to allocate 2.00 GiB" (CUDA's caching allocator, SimulatedGPU) and "you tried to allocate 512 bytes" (the CPU).
+_REQUESTED = re.compile(r"(?:Tried to allocate|you tried to allocate)\s+([0-9.]+\s*(?:bytes|B|KiB|MiB|GiB|TiB))")
+
+
+def format_bytes(n: int | float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``; ``None`` -> ``"unknown"``.
+
+    >>> format_bytes(1536), format_bytes(6 * GiB), format_bytes(None)
+    ('1.5 KiB', '6.0 GiB', 'unknown')
+    """
+    if n is None:
+        return "unknown"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def _size(text: str) -> int | None:
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        return None
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_bytes(value: int | str) -> int:
+    """``"6GiB"`` -> ``6442450944``; ``"512 MB"`` -> ``512000000``; ints pass through.
+
+    >>> parse_bytes("1.5KiB")
+    1536
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"a memory size must be an int (bytes) or a string like '6GiB', got {value!r}")
+    nbytes = value if isinstance(value, int) else _size(value)
+    if nbytes is None:
+        raise ValueError(
+            f"cannot read {value!r} as a memory size: write a number and a unit, e.g. '6GiB', '512MiB', "
+            f"'800MB' or a plain number of bytes"
+        )
+    if nbytes <= 0:
+        raise ValueError(f"a memory budget must be positive, got {value!r}")
+    return nbytes
+
+
+def requested_bytes(message: str) -> int | None:
+    """How much an out-of-memory message says was asked for, where it says.
+
+    >>> requested_bytes("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of ...")
+    2147483648
+    """
+    match = _REQUESTED.search(message)
+    return _size(match.group(1)) if match else None
