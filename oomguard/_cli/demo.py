@@ -20,12 +20,12 @@ from typing import Any, TextIO
 
 import torch
 
+from oomguard._backends.accounting import AccountedDevice
 from oomguard._backends.memory import current_backend
 from oomguard._backends.units import format_bytes, parse_bytes
 from oomguard._cli.data import VOCAB_SIZE, stdlib_text, text_batches
 from oomguard._decorator import oom_guard
 from oomguard._guard.results import StepResult
-from oomguard.testing import SimulatedGPU
 
 __all__ = ["DemoConfig", "add_arguments", "run"]
 
@@ -146,9 +146,9 @@ class _LineHandler(logging.Handler):
 
 
 @contextlib.contextmanager
-def _device_budget(config: DemoConfig, device: str) -> Iterator[SimulatedGPU | None]:
+def _device_budget(config: DemoConfig, device: str) -> Iterator[AccountedDevice | None]:
     if device == "cpu":
-        with SimulatedGPU(config.gpu_memory) as gpu:
+        with AccountedDevice(config.gpu_memory) as gpu:
             yield gpu
         return
     if not torch.cuda.is_available():

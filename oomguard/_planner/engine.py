@@ -28,6 +28,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_flatten
 
+from oomguard._backends.accounting import AccountedDevice
 from oomguard._backends.units import MiB, format_bytes
 from oomguard._distributed.agreement import unwrap
 from oomguard._effects.blocks import find_blocks
@@ -38,7 +39,6 @@ from oomguard._ladder.plan import Plan
 from oomguard._ladder.predict import PeakModel
 from oomguard._ladder.rungs import Rung, RungContext, resolve_ladder
 from oomguard._step.batch import batch_size, split_batch
-from oomguard.testing import SimulatedGPU
 
 __all__ = [
     "ALLOCATOR_SLACK",
@@ -205,12 +205,12 @@ def _plan_dict(plan: Plan, size: int) -> dict[str, Any]:
     }
 
 
-class _Probe(SimulatedGPU):
+class _Probe(AccountedDevice):
     """An unlimited simulated device that notes in which phase usage first passed ``budget``, and the peak of
     each phase."""
 
     def __init__(self, budget: int, phase: Callable[[], str]) -> None:
-        super().__init__(_UNLIMITED, name="planner")
+        super().__init__(_UNLIMITED, name="planner", on_allocate=self._note)
         self.budget = budget
         self.crossed: str | None = None
         self.phase_peaks: dict[str, int] = {}
@@ -234,18 +234,11 @@ class _Probe(SimulatedGPU):
             return "optimizer"
         return self.crossed or "forward"
 
-    def _allocate(self, storages: list[torch.UntypedStorage], count_faults: bool = True) -> None:
-        super()._allocate(storages, count_faults)
-        self._note()
-
-    def _resized(self, storage: torch.UntypedStorage, count_faults: bool) -> None:
-        super()._resized(storage, count_faults)
-        self._note()
-
-    def _note(self) -> None:
+    def _note(self, allocated: int) -> None:
+        """The ``on_allocate`` observer: after every allocation, and every resize of a tracked storage."""
         phase = self._phase_of()
-        self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), self._allocated)
-        if self.crossed is None and self._allocated > self.budget:
+        self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), allocated)
+        if self.crossed is None and allocated > self.budget:
             self.crossed = phase
 
 

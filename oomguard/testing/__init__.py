@@ -11,6 +11,7 @@
         print(gpu.max_memory_allocated())
 """
 
-from oomguard.testing._simulated import SimulatedGPU, parse_bytes
+from oomguard._backends.units import parse_bytes
+from oomguard.testing._simulated import SimulatedGPU
 
 __all__ = ["SimulatedGPU", "parse_bytes"]

@@ -1,0 +1,385 @@
+"""AccountedDevice: a device-memory budget with real accounting of every live CPU tensor.
+
+A ``TorchDispatchMode`` sees every aten op and its outputs. Each output whose storage is new (neither one of
+the op's inputs' storages nor one already tracked) is a device allocation: it counts against the capacity,
+rounded up to 512 bytes as CUDA's caching allocator does, until a ``weakref.finalize`` on the storage object
+reports it freed. Views, ``detach`` and ``split`` share their input's storage and cost nothing.
+
+Decisions worth knowing:
+
+* ``torch.tensor(data)`` builds its data outside the dispatcher and arrives through ``aten.lift_fresh``: it is
+  counted, as ``torch.tensor(data, device="cuda")`` would allocate on a GPU.
+* Tensors created before entering, or by ``torch.from_numpy``, are host memory until ``adopt``-ed.
+* An op that both mutates its inputs and allocates (batch-norm running statistics; any write-annotated op
+  with fresh outputs) is sized on meta tensors *before* it runs, so an OOM leaves its inputs untouched, as a
+  real device fails before the kernel. All other ops are accounted after running; failing them then is
+  equivalent, since they changed nothing but their (discarded) outputs.
+* ``resize_`` is checked before it runs; ``set_`` and ``out=`` variants that grow a tracked storage are
+  accounted for the growth.
+* Allocations inside a kernel's own implementation (scratch space a C++ kernel takes without dispatching)
+  are not seen; they are transient.
+* Host memory is what ``to_host`` returns (offloaded tensors, the guard's journal) and whatever an op computes
+  from host tensors alone (an optimizer step on offloaded parameters); it is never counted. ``to_device``
+  copies a host tensor into the accounting. For ``_foreach_*`` ops this is decided per list element.
+* Only CPU tensors are tracked: on CUDA, backward runs in other threads that a mode would not see.
+
+The dispatch mode and the helpers that classify ops live in :mod:`oomguard._backends.dispatch`. Users meet this
+class as :class:`oomguard.testing.SimulatedGPU`; the library's own code (the planner, the demo) uses it here.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from torch.utils._pytree import tree_map
+
+from oomguard._backends.dispatch import FRESH, RESIZE, AccountingMode, Paused, cpu_storages, to_meta
+from oomguard._backends.memory import MemorySnapshot, copy_into, pop_backend, push_backend, snapshot
+from oomguard._backends.units import format_bytes, parse_bytes
+
+__all__ = ["AccountedDevice"]
+
+_ALIGN = 512  # CUDA's caching allocator rounds every block up to 512 bytes
+_Device = TypeVar("_Device", bound="AccountedDevice")
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class AccountedDevice:
+    """A simulated device of ``capacity`` bytes: every CPU tensor storage created inside the context counts as
+    device memory until it is freed; going past the capacity raises a real ``torch.OutOfMemoryError``. While
+    active it is the memory backend :mod:`oomguard` reads figures from and makes host copies through.
+
+    Args:
+        capacity: bytes, or a string such as ``"6GiB"`` or ``"64MiB"``.
+        name: a label for the device.
+        on_allocate: an observer, called as ``on_allocate(allocated_bytes)`` with :meth:`memory_allocated` at
+            that moment, after every successful accounting of new storages (an op's outputs, ``to_device``,
+            ``adopt``, ``resize_storage``) and after every change in size of a tracked storage (a growth, or a
+            shrink that releases memory). It runs on the allocating thread, outside the accounting's lock.
+    """
+
+    tracks_allocations = True
+    offloads = True
+
+    def __init__(
+        self, capacity: int | str, *, name: str = "simulated", on_allocate: Callable[[int], None] | None = None
+    ) -> None:
+        #: The budget in bytes.
+        self.capacity = parse_bytes(capacity)
+        self.name = name
+        #: Device allocations made so far (each new storage counts once; failed ones do not).
+        self.allocations = 0
+        self._allocated = 0
+        self._peak = 0
+        self._tracked: dict[int, int] = {}  # id(storage) -> counted bytes
+        self._host: set[int] = set()  # id(storage) of host memory: never counted
+        # Re-entrant: a storage's finalizer (_release) can run inside any allocation, the simulator's own
+        # bookkeeping included, whenever the garbage collector frees a tensor there; on the same thread a plain
+        # lock would deadlock.
+        self._lock = threading.RLock()
+        self._fail_in: int | None = None  # allocations left before an injected failure
+        self._paused = Paused()
+        self._mode: AccountingMode | None = None
+        self._on_allocate = on_allocate
+        self.empty_cache_calls = 0
+
+    # -- context ----------------------------------------------------------------------------------------
+    def __enter__(self: _Device) -> _Device:
+        if self._mode is not None:
+            raise RuntimeError("this SimulatedGPU is already active; it cannot be entered twice")
+        self._mode = AccountingMode(self)
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
+        push_backend(self)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        mode, self._mode = self._mode, None
+        try:
+            if mode is not None:
+                mode.__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
+        finally:
+            pop_backend(self)
+
+    # -- the figures ------------------------------------------------------------------------------------
+    def memory_allocated(self) -> int:
+        """Bytes held by live tensors on the simulated device."""
+        return self._allocated
+
+    def max_memory_allocated(self) -> int:
+        """The highest ``memory_allocated()`` since creation or the last ``reset_peak_memory_stats()``."""
+        return self._peak
+
+    def memory_reserved(self) -> int:
+        """Equal to ``memory_allocated()``: the simulator has no caching allocator."""
+        return self._allocated
+
+    def reset_peak_memory_stats(self) -> None:
+        """Start measuring the peak again from the current usage."""
+        self._peak = self._allocated
+
+    def total_memory(self) -> int:
+        return self.capacity
+
+    def snapshot(self) -> MemorySnapshot:
+        """All figures at once."""
+        return snapshot(self)
+
+    def empty_cache(self) -> None:
+        """Nothing is cached in the simulator; counted so tests can see that the guard asked."""
+        self.empty_cache_calls += 1
+
+    def synchronize(self) -> None:
+        return None
+
+    def identity(self) -> str:
+        """``"SimulatedGPU:<capacity>"``: plans remembered on one simulated size do not apply to another."""
+        return f"SimulatedGPU:{self.capacity}"
+
+    def telemetry(self, requested: int | None) -> dict[str, Any] | None:
+        """The simulator has no NVML and no caching allocator to fragment."""
+        return None
+
+    # -- fault injection and reservations ---------------------------------------------------------------
+    def fail_allocation(self, n: int = 1) -> None:
+        """Make the ``n``-th device allocation from now raise an out-of-memory error, once.
+
+        ``n=1`` fails the very next allocation. Replaces any failure armed before.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"fail_allocation(n) needs n >= 1 (1 = the next allocation), got {n!r}")
+        self._fail_in = n
+
+    @property
+    def fault_pending(self) -> bool:
+        """Whether a failure armed by :meth:`fail_allocation` has not fired yet."""
+        return self._fail_in is not None
+
+    def reserve(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` of transient allocations surely fit now.
+
+        False while an injected failure is armed: an injected fault stands for an allocation nobody could
+        foresee, so the guard must take its fully undoable path.
+        """
+        return self._fail_in is None and self.capacity - self._allocated >= nbytes
+
+    # -- host and device copies -------------------------------------------------------------------------
+    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy outside the accounting: host memory."""
+        self._paused.active = True
+        try:
+            copy = copy_into(tensor, out)
+        finally:
+            self._paused.active = False
+        self._mark_host(copy.untyped_storage())
+        return copy
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy that counts as device memory (raises the simulated OOM if it does not fit)."""
+        self._paused.active = True
+        try:
+            copy = tensor.detach().clone()
+        finally:
+            self._paused.active = False
+        self._allocate([copy.untyped_storage()])
+        return copy
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        """Whether the tensor's storage is counted as device memory."""
+        return tensor.device.type == "cpu" and id(tensor.untyped_storage()) in self._tracked
+
+    def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """Resize a storage in place (storage resizes bypass the dispatcher, so the accounting is told here)."""
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._host:
+            storage.resize_(nbytes)
+            return
+        with self._lock:
+            extra = _aligned(nbytes) - self._tracked.get(key, 0)
+            if extra > 0:
+                self._check([extra])  # a real device fails before the storage grows
+        storage.resize_(nbytes)
+        if key in self._tracked:
+            self._resized(storage, count_faults=False)
+        else:
+            self._allocate([storage], count_faults=False)
+
+    def _mark_host(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key not in self._host:
+            self._host.add(key)
+            weakref.finalize(storage, self._host.discard, key)
+
+    def adopt(self, *objects: torch.nn.Module | torch.Tensor | torch.optim.Optimizer | Iterable[Any]) -> None:
+        """Count already existing tensors as resident on the device, as ``model.to("cuda")`` would.
+
+        Accepts modules (parameters, their gradients and buffers), optimizers (their state tensors), tensors
+        and iterables of these. Storages already counted are skipped. Raises ``torch.OutOfMemoryError`` if they
+        do not fit, leaving nothing adopted.
+        """
+        tensors: list[torch.Tensor] = []
+        for obj in objects:
+            tensors.extend(_tensors_of(obj))
+        fresh: dict[int, torch.UntypedStorage] = {}
+        for tensor in tensors:
+            if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+                continue
+            storage = tensor.untyped_storage()
+            if id(storage) not in self._tracked:
+                fresh[id(storage)] = storage
+        self._allocate(list(fresh.values()), count_faults=False)
+
+    # -- accounting internals ---------------------------------------------------------------------------
+    def _oom(self, nbytes: int) -> torch.OutOfMemoryError:
+        free = self.capacity - self._allocated
+        return torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {format_bytes(nbytes)}. Simulated GPU 0 has a total capacity "
+            f"of {format_bytes(self.capacity)} of which {format_bytes(max(0, free))} is free. Of the allocated "
+            f"memory {format_bytes(self._allocated)} is allocated by tensors. (simulated by "
+            f"oomguard.testing.SimulatedGPU; the wording follows CUDA's, so any OOM handler recognises it.)"
+        )
+
+    def _check(self, sizes: list[int], count_faults: bool = True) -> None:
+        """Raise the OOM the device would raise for these allocations (made in order); track nothing."""
+        total = 0
+        for size in sizes:
+            if count_faults and self._fail_in is not None:
+                self._fail_in -= 1
+                if self._fail_in == 0:
+                    self._fail_in = None
+                    raise self._oom(size)
+            if self._allocated + total + size > self.capacity:
+                raise self._oom(size)
+            total += size
+
+    def _allocate(self, storages: list[torch.UntypedStorage], count_faults: bool = True) -> None:
+        # Empty storages are tracked too (at 0 bytes, not as allocations) so that a later resize_ is seen.
+        sizes = [_aligned(int(s.nbytes())) for s in storages]
+        with self._lock:
+            self._check([size for size in sizes if size], count_faults)  # all or nothing for the op
+            for storage, size in zip(storages, sizes, strict=True):
+                key = id(storage)
+                self._tracked[key] = size
+                weakref.finalize(storage, self._release, key)
+            self._allocated += sum(sizes)
+            self.allocations += sum(1 for size in sizes if size)
+            self._peak = max(self._peak, self._allocated)
+        self._notify()
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            self._allocated -= self._tracked.pop(key, 0)
+
+    def _resized(self, storage: torch.UntypedStorage, count_faults: bool) -> None:
+        """A tracked storage changed size (``resize_``, ``set_``, ``out=``): account the growth or the release."""
+        key = id(storage)
+        size = _aligned(int(storage.nbytes()))
+        with self._lock:
+            extra = size - self._tracked[key]
+            if extra > 0:  # a growth is one more device allocation
+                self._check([extra], count_faults)
+                self.allocations += 1
+            self._tracked[key] = size
+            self._allocated += extra
+            self._peak = max(self._peak, self._allocated)
+        self._notify()
+
+    def _notify(self) -> None:
+        # After the lock is released, as the figures this allocation left: the observer holds up no other
+        # thread's accounting.
+        if self._on_allocate is not None:
+            self._on_allocate(self._allocated)
+
+    def _check_resize(self, tensor: torch.Tensor, size: Any) -> None:
+        if tensor.device.type != "cpu" or id(tensor.untyped_storage()) in self._host:
+            return
+        numel = 1
+        for dim in size:
+            numel *= int(dim)
+        needed = _aligned((int(tensor.storage_offset()) + numel) * tensor.element_size())
+        current = self._tracked.get(id(tensor.untyped_storage()), 0)
+        if needed > current:
+            with self._lock:
+                self._check([needed - current])
+
+    def _precheck(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
+        if self._all_host(cpu_storages((args, kwargs))):
+            return
+        try:
+            meta_out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+        except (NotImplementedError, RuntimeError):  # no meta kernel: account after running instead
+            return
+        aliased = {i for i, ret in enumerate(func._schema.returns) if ret.alias_info is not None}
+        outs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
+        sizes = [
+            _aligned(int(t.untyped_storage().nbytes()))
+            for i, t in enumerate(outs)
+            if i not in aliased and isinstance(t, torch.Tensor)
+        ]
+        with self._lock:
+            fail_in = self._fail_in
+            self._check(sizes)  # raises before the op mutates anything
+            self._fail_in = fail_in  # it fits: the accounting after the op counts these allocations again
+
+    def _all_host(self, storages: list[torch.UntypedStorage]) -> bool:
+        """Whether an op on these input storages runs on the host: it has some, and all are host memory."""
+        return bool(storages) and all(id(s) in self._host for s in storages)
+
+    def _account(self, func: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> None:
+        inputs = cpu_storages((args, kwargs))
+        input_keys = {id(s) for s in inputs}
+        on_host = self._host_outputs(func, args, out, inputs)
+        fresh: dict[int, torch.UntypedStorage] = {}
+        for storage in cpu_storages(out):
+            key = id(storage)
+            if key in self._tracked:
+                if _aligned(int(storage.nbytes())) != self._tracked[key]:
+                    self._resized(storage, count_faults=func is not RESIZE)  # resize_: checked
+            elif key in self._host or (key in input_keys and func not in FRESH):
+                continue
+            elif key in on_host:
+                self._mark_host(storage)
+            else:
+                fresh[key] = storage
+        if fresh:
+            self._allocate(list(fresh.values()))
+
+    def _host_outputs(
+        self, func: torch._ops.OpOverload, args: Any, out: Any, inputs: list[torch.UntypedStorage]
+    ) -> set[int]:
+        """The output storages that an op computed on the host (from host inputs only)."""
+        if not self._host:
+            return set()
+        if func.__name__.startswith("_foreach_") and isinstance(out, (list, tuple)):
+            lists = [arg for arg in args if isinstance(arg, (list, tuple)) and len(arg) == len(out)]
+            return {
+                id(result.untyped_storage())
+                for index, result in enumerate(out)
+                if isinstance(result, torch.Tensor) and self._all_host(cpu_storages([arg[index] for arg in lists]))
+            }
+        if self._all_host(inputs):
+            return {id(s) for s in cpu_storages(out)}
+        return set()
+
+
+def _tensors_of(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, torch.nn.Module):
+        found = list(obj.parameters()) + list(obj.buffers())
+        return found + [p.grad for p in obj.parameters() if p.grad is not None]
+    if isinstance(obj, torch.optim.Optimizer):
+        return [v for state in obj.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
+        return [t for item in obj for t in _tensors_of(item)]
+    raise TypeError(f"adopt() takes modules, optimizers, tensors or iterables of them, got {type(obj).__name__}")

@@ -1,0 +1,108 @@
+"""The dispatch side of the accounting: the ``TorchDispatchMode`` that shows every aten op to an
+:class:`~oomguard._backends.accounting.AccountedDevice`, and the helpers that classify ops and their tensors.
+
+What is counted, and why, is told in :mod:`oomguard._backends.accounting`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd.graph import increment_version
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+if TYPE_CHECKING:
+    from oomguard._backends.accounting import AccountedDevice
+
+__all__: list[str] = []
+
+_aten = torch.ops.aten
+FRESH = {_aten.lift_fresh.default}
+RESIZE = _aten.resize_.default
+# Ops that update running statistics in place without saying so in their schema.
+_UNANNOTATED_MUTATION = {
+    _aten.native_batch_norm.default,
+    _aten.cudnn_batch_norm.default,
+    _aten.miopen_batch_norm.default,
+}
+# Batch-norm ops whose sixth argument is `training`; in eval mode they mutate nothing (and their meta kernels
+# report statistics outputs the CPU kernels do not allocate), so they are not sized in advance then.
+_BATCH_NORM_WITH_STATS = {_aten._native_batch_norm_legit.default}
+
+
+def cpu_storages(tree: Any) -> list[torch.UntypedStorage]:
+    """The storages of the strided CPU tensors in ``tree``: the only ones accounted."""
+    found = []
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and leaf.layout == torch.strided:
+            found.append(leaf.untyped_storage())
+    return found
+
+
+def writes_and_allocates(func: torch._ops.OpOverload, args: Any) -> bool:
+    """Whether the op both mutates its inputs and allocates: it must be sized before it runs."""
+    if func in _UNANNOTATED_MUTATION or func in _BATCH_NORM_WITH_STATS:
+        return len(args) > 5 and bool(args[5])  # running statistics change only in training mode
+    schema = func._schema
+    writes = any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments)
+    return writes and any(ret.alias_info is None for ret in schema.returns)
+
+
+def written(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors an in-place op writes to, from its schema's write annotations."""
+    schema = func._schema
+    if not schema.is_mutable:
+        return []
+    found: list[torch.Tensor] = []
+    for index, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(arg.name)
+        for leaf in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+    return found
+
+
+def to_meta(value: Any) -> Any:
+    """A CPU tensor's meta twin (same shape, strides and dtype, no data); anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return value
+
+
+class Paused(threading.local):
+    """Set while the device copies outside the accounting (per thread: other threads are still accounted)."""
+
+    active = False
+
+
+class AccountingMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
+    """Runs every aten op and hands it, with its outputs, to the device's accounting."""
+
+    def __init__(self, gpu: AccountedDevice) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.gpu = gpu
+
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        gpu = self.gpu
+        if gpu._paused.active:
+            return func(*args, **kwargs)
+        if func is RESIZE:
+            gpu._check_resize(args[0], args[1])
+        elif writes_and_allocates(func, args):
+            gpu._precheck(func, args, kwargs)
+        mutated = written(func, args, kwargs)
+        versions = [t._version for t in mutated]
+        out = func(*args, **kwargs)
+        # Under a dispatch mode some in-place kernels (the foreach ones) skip the version bump a real device
+        # does; restore it, since the guard (and autograd) read version counters.
+        stale = [t for t, v in zip(mutated, versions, strict=True) if t._version == v]
+        if stale:
+            increment_version(stale)
+        gpu._account(func, args, kwargs, out)
+        return out
