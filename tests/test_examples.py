@@ -46,9 +46,15 @@ def test_accelerate_example_trains_and_recovers(capsys: pytest.CaptureFixture[st
     assert "micro_batch x" in capsys.readouterr().out
 
 
-def test_ddp_example_under_torchrun_keeps_the_replicas_identical(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(EXAMPLES / "ddp_torchrun.py"), "--steps", "2"]  # fmt: skip
+# torch 2.13's gloo can abort a rank as it exits, after the job is done: its run-loop thread frees a finished
+# collective's tensors and needs the GIL while the interpreter is already shutting down ("terminate called without
+# an active exception"; backtrace: ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> TensorImpl::decref_pyobject
+# -> take_gil -> PyThread_exit_thread). A plain DDP script without oomguard does it too, about once in 6 runs on a
+# loaded 2-core machine. Such a run is launched once more; any other failure fails the test.
+_GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _torchrun(command: list[str]) -> tuple[int, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
@@ -59,6 +65,15 @@ def test_ddp_example_under_torchrun_keeps_the_replicas_identical(tmp_path: Path)
         os.killpg(process.pid, signal.SIGKILL)  # a hung rank is killed with its whole group, not left behind
         process.communicate()
         pytest.fail("the torchrun example hung")
-    assert process.returncode == 0, output[-3000:]
+    return process.returncode, output
+
+
+def test_ddp_example_under_torchrun_keeps_the_replicas_identical(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(EXAMPLES / "ddp_torchrun.py"), "--steps", "2"]  # fmt: skip
+    returncode, output = _torchrun(command)
+    if returncode != 0 and _GLOO_EXIT_ABORT in output and "replicas identical: True" in output:
+        returncode, output = _torchrun(command)
+    assert returncode == 0, output[-3000:]
     assert "replicas identical: True" in output
     assert "OOM(s) caught" in output
