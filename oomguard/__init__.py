@@ -41,7 +41,7 @@ from oomguard._guard.results import GuardSummary, StepResult
 from oomguard._ladder.plan import Plan
 from oomguard._ladder.rungs import ActivationOffload, Amp, Checkpointing, LayerOffload, MicroBatch, Rung, RungContext
 from oomguard._planner.api import plan
-from oomguard._planner.engine import Candidate, PlanReport
+from oomguard._planner.report import Candidate, PlanReport
 from oomguard._step.batch import batch_size, split_batch
 
 __version__ = "0.1.0"

@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
-from typing import Any, Generic, TypeVar, overload
+from collections.abc import Callable
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, overload
 
-import torch
-
-from oomguard._effects.transaction import JournalMode, Scheduler
-from oomguard._events import EventSink
-from oomguard._guard.buckets import batch_bucket
 from oomguard._guard.guard import OOMGuard
 from oomguard._guard.results import StepResult
-from oomguard._ladder.rungs import Rung
-from oomguard._step.runner import Reduction
+from oomguard._options import GuardOptions, with_options
 
 __all__ = ["GuardedStep", "oom_guard"]
 
 BatchT = TypeVar("BatchT")
+P = ParamSpec("P")
 
 
 class GuardedStep(Generic[BatchT]):
@@ -42,87 +36,31 @@ class GuardedStep(Generic[BatchT]):
         return f"<guarded step {name}, plan: {self.guard.plan.describe()}>"
 
 
-@overload
-def oom_guard(
-    fn: Callable[[BatchT], Any],
-    /,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Scheduler | None = ...,
-    log_file: str | Path | None = ...,
-    ladder: Iterable[str | Rung] | None = ...,
-    max_grad_norm: float | None = ...,
-    count_items: Callable[[Any], float] | None = ...,
-    reduction: Reduction = ...,
-    max_attempts: int = ...,
-    max_recovery_seconds: float | None = ...,
-    sinks: Sequence[EventSink] = ...,
-    step_journal: JournalMode = ...,
-    state_file: str | Path | None = ...,
-    relax_after: int | None = ...,
-    predictive: bool = ...,
-    bucket: Callable[[Any], int] = ...,
-    log_every: int | None = ...,
-    fix_fragmentation: bool = ...,
-    accelerator: Any = ...,
-    preplan: bool = ...,
-) -> GuardedStep[BatchT]: ...
+class _Decorator(Protocol[P]):
+    """The two ways to call :func:`oom_guard`, each with the options of :class:`GuardOptions` as keywords."""
+
+    @overload
+    def __call__(self, fn: Callable[[BatchT], Any], /, *args: P.args, **kwargs: P.kwargs) -> GuardedStep[BatchT]: ...
+
+    @overload
+    def __call__(
+        self, fn: None = None, /, *args: P.args, **kwargs: P.kwargs
+    ) -> Callable[[Callable[[BatchT], Any]], GuardedStep[BatchT]]: ...
 
 
-@overload
-def oom_guard(
-    fn: None = None,
-    /,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Scheduler | None = ...,
-    log_file: str | Path | None = ...,
-    ladder: Iterable[str | Rung] | None = ...,
-    max_grad_norm: float | None = ...,
-    count_items: Callable[[Any], float] | None = ...,
-    reduction: Reduction = ...,
-    max_attempts: int = ...,
-    max_recovery_seconds: float | None = ...,
-    sinks: Sequence[EventSink] = ...,
-    step_journal: JournalMode = ...,
-    state_file: str | Path | None = ...,
-    relax_after: int | None = ...,
-    predictive: bool = ...,
-    bucket: Callable[[Any], int] = ...,
-    log_every: int | None = ...,
-    fix_fragmentation: bool = ...,
-    accelerator: Any = ...,
-    preplan: bool = ...,
-) -> Callable[[Callable[[BatchT], Any]], GuardedStep[BatchT]]: ...
+def _options_of(options: Callable[P, GuardOptions]) -> Callable[[Callable[..., Any]], _Decorator[P]]:
+    """Type ``oom_guard`` with the options' own keyword parameters: they are written once, in GuardOptions."""
+
+    def give(decorator: Callable[..., Any]) -> _Decorator[P]:
+        decorator.__signature__ = with_options(decorator, leading=1)  # type: ignore[attr-defined]
+        typed: _Decorator[P] = decorator  # type: ignore[assignment]
+        return typed
+
+    return give
 
 
-def oom_guard(
-    fn: Callable[[BatchT], Any] | None = None,
-    /,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Scheduler | None = None,
-    log_file: str | Path | None = None,
-    ladder: Iterable[str | Rung] | None = None,
-    max_grad_norm: float | None = None,
-    count_items: Callable[[Any], float] | None = None,
-    reduction: Reduction = "mean",
-    max_attempts: int = 256,
-    max_recovery_seconds: float | None = 3600.0,
-    sinks: Sequence[EventSink] = (),
-    step_journal: JournalMode = "auto",
-    state_file: str | Path | None = None,
-    relax_after: int | None = 200,
-    predictive: bool = True,
-    bucket: Callable[[Any], int] = batch_bucket,
-    log_every: int | None = 10,
-    fix_fragmentation: bool = False,
-    accelerator: Any = None,
-    preplan: bool = False,
-) -> GuardedStep[BatchT] | Callable[[Callable[[BatchT], Any]], GuardedStep[BatchT]]:
+@_options_of(GuardOptions)
+def oom_guard(fn: Callable[[Any], Any] | None = None, /, **options: Any) -> Any:
     """Guard a forward-only training step against out-of-memory errors.
 
     The decorated function takes one batch and returns its loss (a tensor, a mapping with ``"loss"``, or an
@@ -135,8 +73,10 @@ def oom_guard(
         model: the module being trained; the optimizer must hold only its parameters.
         optimizer: stepped once per call; its step is undoable, so an OOM inside it never half-steps.
         scheduler: stepped once per call, right after the optimizer.
-        log_file: append every event (oom, fallback, recovered, exhausted) to this file as JSON lines.
-        ladder: rung names or rung objects, in order; default ``["micro_batch"]``.
+        log_file: append every event (oom, fallback, recovered, relax, exhausted, progress) to this file as
+            JSON lines.
+        ladder: rung names or rung objects (see :class:`Rung`), in order; default: every built-in rung,
+            ``["micro_batch", "amp", "checkpointing", "activation_offload", "layer_offload"]``.
         max_grad_norm: clip the gradient norm of the whole batch to this before stepping.
         count_items: how many items a batch's mean loss averages over, e.g. ``lambda b: b["mask"].sum()``.
             Micro-batch losses are weighted by their share of items. By default: counted ``labels`` tokens for
@@ -181,32 +121,10 @@ def oom_guard(
             result = train_step(batch)
             print(result.loss, result.micro_batch_size, result.rungs)
     """
-    settings: dict[str, Any] = {
-        "model": model,
-        "optimizer": optimizer,
-        "scheduler": scheduler,
-        "log_file": log_file,
-        "ladder": ladder,
-        "max_grad_norm": max_grad_norm,
-        "count_items": count_items,
-        "reduction": reduction,
-        "max_attempts": max_attempts,
-        "max_recovery_seconds": max_recovery_seconds,
-        "sinks": sinks,
-        "step_journal": step_journal,
-        "state_file": state_file,
-        "relax_after": relax_after,
-        "predictive": predictive,
-        "bucket": bucket,
-        "log_every": log_every,
-        "fix_fragmentation": fix_fragmentation,
-        "accelerator": accelerator,
-        "preplan": preplan,
-    }
 
-    def decorate(step_fn: Callable[[BatchT], Any]) -> GuardedStep[BatchT]:
+    def decorate(step_fn: Callable[[Any], Any]) -> GuardedStep[Any]:
         if not callable(step_fn):
             raise TypeError(f"@oom_guard decorates a step function, got {type(step_fn).__name__}")
-        return GuardedStep(step_fn, OOMGuard(step_fn, **settings))
+        return GuardedStep(step_fn, OOMGuard(step_fn, **options))
 
     return decorate if fn is None else decorate(fn)

@@ -2,7 +2,8 @@
 
 Each event is a frozen dataclass with ``to_dict()``; sinks are plain callables that take an event. The guard
 writes every event as one JSON line to ``log_file`` (if given), calls the user's sinks, and logs one readable
-line on the ``oomguard`` logger. Nothing is written on the happy path.
+line on the ``oomguard`` logger. On the happy path only a ``progress`` event every ``log_every`` steps is written
+(logged at DEBUG).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, ClassVar
 
 from oomguard._backends.memory import MemorySnapshot
 from oomguard._backends.units import format_bytes, requested_bytes
+from oomguard._ladder.plan import Phase
 
 __all__ = [
     "Event",
@@ -40,20 +42,22 @@ class FailureSummary:
 
     error_type: str
     message: str
-    phase: str  # forward, backward, clip, optimizer or scheduler
+    phase: Phase  # where the attempt was: apply, split, forward, backward, clip or optimizer
     micro_batch: int  # index of the micro-batch that failed (0 outside forward/backward)
     requested_bytes: int | None
     memory: MemorySnapshot
 
     @classmethod
-    def from_exception(cls, exc: BaseException, phase: str, micro_batch: int, memory: MemorySnapshot) -> FailureSummary:
+    def from_exception(
+        cls, exc: BaseException, phase: Phase, micro_batch: int, memory: MemorySnapshot
+    ) -> FailureSummary:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return cls(type(exc).__name__, message[:500], phase, micro_batch, requested_bytes(str(exc)), memory)
 
     def describe(self) -> str:
         where = (
             f"{self.phase} of micro-batch {self.micro_batch + 1}"
-            if self.phase in ("forward", "backward")
+            if self.phase in (Phase.FORWARD, Phase.BACKWARD)
             else self.phase
         )
         asked = f", tried to allocate {format_bytes(self.requested_bytes)}" if self.requested_bytes else ""

@@ -1,25 +1,92 @@
-"""Checking a guard's configuration up front, with errors that name the problem and the fix."""
+"""The guard's options: one frozen dataclass, defined once, checked once, with errors that name the fix.
+
+:func:`oomguard.oom_guard`, :class:`oomguard.OOMGuard`, the Trainer integration and the planner all take these
+options; the first two take them as keyword arguments whose names, types and defaults are this dataclass's own
+(:func:`takes_options`). What each option does is documented on :func:`oomguard.oom_guard`.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
+from oomguard._effects.transaction import JournalMode, Scheduler
 from oomguard._errors import GuardConfigError
+from oomguard._events import EventSink
+from oomguard._ladder.ladder import Ladder, resolve_ladder
+from oomguard._ladder.rungs import Rung
+from oomguard._step.batch import batch_bucket
+from oomguard._step.runner import Reduction
 
-__all__ = ["validate"]
+__all__ = ["GuardOptions", "takes_options"]
+
+P = ParamSpec("P")
+S = TypeVar("S")
+F = TypeVar("F")
 
 
-def validate(
-    model: Any,
-    optimizer: Any,
-    scheduler: Any,
-    max_grad_norm: float | None,
-    reduction: str,
-    max_attempts: int,
-    max_recovery_seconds: float | None,
-) -> None:
+@dataclass(frozen=True, kw_only=True, eq=False)
+class GuardOptions:
+    """Everything a guard is configured with (see :func:`oomguard.oom_guard` for what each option does).
+
+    Checked as it is made: a bad value raises :class:`~oomguard.GuardConfigError` naming the option and the fix.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Scheduler | None = None
+    log_file: str | Path | None = None
+    ladder: Iterable[str | Rung] | None = None
+    max_grad_norm: float | None = None
+    count_items: Callable[[Any], float] | None = None
+    reduction: Reduction = "mean"
+    max_attempts: int = 256
+    max_recovery_seconds: float | None = 3600.0
+    sinks: Sequence[EventSink] = ()
+    step_journal: JournalMode = "auto"
+    state_file: str | Path | None = None
+    relax_after: int | None = 200
+    predictive: bool = True
+    bucket: Callable[[Any], int] = batch_bucket
+    log_every: int | None = 10
+    fix_fragmentation: bool = False
+    accelerator: Any = None
+    preplan: bool = False
+    #: ``ladder`` resolved into rung objects (unknown names are refused here).
+    rungs: Ladder = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_model_and_optimizer(self.model, self.optimizer)
+        if self.scheduler is not None:
+            if not callable(getattr(self.scheduler, "step", None)):
+                raise GuardConfigError(f"scheduler= needs a .step() method, got {type(self.scheduler).__name__}")
+            if getattr(self.scheduler, "optimizer", self.optimizer) is not self.optimizer:
+                raise GuardConfigError("scheduler= was built over a different optimizer than optimizer=")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise GuardConfigError(
+                f"max_grad_norm must be positive (or None to disable clipping), got {self.max_grad_norm!r}"
+            )
+        if self.reduction not in ("mean", "sum"):
+            raise GuardConfigError(
+                f"reduction must be 'mean' or 'sum' (how the step's loss reduces), got {self.reduction!r}"
+            )
+        if self.step_journal not in ("auto", "always", "never"):
+            raise GuardConfigError(f"step_journal must be 'auto', 'always' or 'never', got {self.step_journal!r}")
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise GuardConfigError(f"max_attempts must be an int >= 1, got {self.max_attempts!r}")
+        if self.max_recovery_seconds is not None and not self.max_recovery_seconds > 0:
+            raise GuardConfigError(f"max_recovery_seconds must be positive or None, got {self.max_recovery_seconds!r}")
+        _check_optional_positive_int("relax_after", self.relax_after)
+        _check_optional_positive_int("log_every", self.log_every)
+        object.__setattr__(self, "rungs", resolve_ladder(self.ladder))
+
+
+def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise GuardConfigError(f"model= must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -36,19 +103,6 @@ def validate(
             f"the optimizer holds {foreign} parameter(s) that are not the model's: build it over "
             f"model.parameters() (the guard drops and recomputes the model's gradients on every retry)"
         )
-    if scheduler is not None:
-        if not callable(getattr(scheduler, "step", None)):
-            raise GuardConfigError(f"scheduler= needs a .step() method, got {type(scheduler).__name__}")
-        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
-            raise GuardConfigError("scheduler= was built over a different optimizer than optimizer=")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise GuardConfigError(f"max_grad_norm must be positive (or None to disable clipping), got {max_grad_norm!r}")
-    if reduction not in ("mean", "sum"):
-        raise GuardConfigError(f"reduction must be 'mean' or 'sum' (how the step's loss reduces), got {reduction!r}")
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        raise GuardConfigError(f"max_attempts must be an int >= 1, got {max_attempts!r}")
-    if max_recovery_seconds is not None and not max_recovery_seconds > 0:
-        raise GuardConfigError(f"max_recovery_seconds must be positive or None, got {max_recovery_seconds!r}")
 
 
 def _refuse_sharded(model: torch.nn.Module) -> None:
@@ -63,8 +117,25 @@ def _refuse_sharded(model: torch.nn.Module) -> None:
             )
 
 
-def check_optional_positive_int(name: str, value: int | None, allow_zero: bool = False) -> None:
-    """``value`` is None or an int >= 1 (>= 0 with ``allow_zero``)."""
-    low = 0 if allow_zero else 1
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-        raise GuardConfigError(f"{name} must be an int >= {low} or None, got {value!r}")
+def _check_optional_positive_int(name: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise GuardConfigError(f"{name} must be an int >= 1 or None, got {value!r}")
+
+
+def takes_options(
+    options: Callable[P, GuardOptions],
+) -> Callable[[Callable[Concatenate[S, F, ...], None]], Callable[Concatenate[S, F, P], None]]:
+    """Give ``__init__(self, first, /, **options)`` the options' own keyword parameters, for type checkers and
+    for ``help()``: the options are written once, in :class:`GuardOptions`."""
+
+    def give(init: Callable[Concatenate[S, F, ...], None]) -> Callable[Concatenate[S, F, P], None]:
+        init.__signature__ = with_options(init, leading=2)  # type: ignore[attr-defined]
+        return init
+
+    return give
+
+
+def with_options(function: Callable[..., Any], leading: int) -> inspect.Signature:
+    """The signature of ``function``'s first ``leading`` parameters followed by every option, keyword-only."""
+    first = list(inspect.signature(function).parameters.values())[:leading]
+    return inspect.Signature([*first, *inspect.signature(GuardOptions).parameters.values()])

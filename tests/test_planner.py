@@ -15,8 +15,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import OOMGuard, Plan, oom_guard, plan
 from oomguard._cli.main import main
-from oomguard._planner.engine import device_overhead, dry_run, tensor_budget
+from oomguard._planner.engine import dry_run
 from oomguard._planner.presets import PRESETS
+from oomguard._planner.report import device_overhead, tensor_budget
 from oomguard.testing import SimulatedGPU
 
 LAYERS, HIDDEN = 2, 32

@@ -30,3 +30,15 @@ def test_the_contracted_names_exist() -> None:
     for name in ("oom_guard", "is_oom", "LadderExhausted", "StepResult", "OOMGuard"):
         assert hasattr(oomguard, name)
     assert {"loss", "micro_batch_size", "rungs", "ooms"} <= set(oomguard.StepResult.__dataclass_fields__)
+
+
+def test_the_decorator_and_the_guard_show_every_option_in_their_signatures() -> None:
+    """The options are written once (a frozen dataclass); help() and IDEs still see each one as a keyword."""
+    decorator = inspect.signature(oomguard.oom_guard).parameters
+    guard = inspect.signature(oomguard.OOMGuard).parameters
+    assert next(iter(decorator)) == "fn" and next(iter(guard)) == "step_fn"
+    for name in ("model", "optimizer", "scheduler", "ladder", "max_attempts", "state_file", "relax_after", "preplan"):
+        assert decorator[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert guard[name] == decorator[name], name
+    assert (decorator["max_attempts"].default, decorator["relax_after"].default) == (256, 200)
+    assert decorator["model"].default is inspect.Parameter.empty, "model= is required"

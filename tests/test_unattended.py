@@ -22,8 +22,8 @@ from conftest import make_llama, make_mlp, mse_step, tuple_batch
 
 from oomguard import OOMGuard, Plan, RecoveryLimitExceeded, StepResult
 from oomguard._backends.telemetry import fragmentation, nvml_snapshot
-from oomguard._guard.buckets import batch_bucket
 from oomguard._guard.persist import PlanStore, model_fingerprint
+from oomguard._step.batch import batch_bucket
 from oomguard.testing import SimulatedGPU
 
 # An MLP (16 -> 256 -> 1) with AdamW on batches of 64 samples. Measured on the simulator: once Adam's state
@@ -426,7 +426,7 @@ def test_the_peak_model_measures_an_attempt_from_where_its_plan_left_memory() ->
     model = make_llama(layers=4, hidden=128)
     guard = OOMGuard(lambda b: model(**b), model=model, optimizer=adamw(model), ladder=["layer_offload"])
     guard.plan = Plan(offload_layers=4)
-    predictor = guard._book.predictor
+    predictor = guard._buckets.predictor
     assert predictor is not None
     excess = []
     with SimulatedGPU("1GiB") as gpu:

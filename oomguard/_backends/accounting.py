@@ -38,18 +38,24 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._pytree import tree_map
 
-from oomguard._backends.dispatch import FRESH, RESIZE, AccountingMode, Paused, cpu_storages, to_meta
+from oomguard._backends.dispatch import (
+    FRESH,
+    RESIZE,
+    AccountingMode,
+    Paused,
+    aligned,
+    cpu_storages,
+    tensors_of,
+    to_meta,
+    writes_and_allocates,
+)
 from oomguard._backends.memory import MemorySnapshot, copy_into, pop_backend, push_backend, snapshot
 from oomguard._backends.units import format_bytes, parse_bytes
 
 __all__ = ["AccountedDevice"]
 
-_ALIGN = 512  # CUDA's caching allocator rounds every block up to 512 bytes
+
 _Device = TypeVar("_Device", bound="AccountedDevice")
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 class AccountedDevice:
@@ -95,7 +101,7 @@ class AccountedDevice:
     def __enter__(self: _Device) -> _Device:
         if self._mode is not None:
             raise RuntimeError("this SimulatedGPU is already active; it cannot be entered twice")
-        self._mode = AccountingMode(self)
+        self._mode = AccountingMode(self._paused, self._before, self._account)
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         push_backend(self)
         return self
@@ -205,7 +211,7 @@ class AccountedDevice:
             storage.resize_(nbytes)
             return
         with self._lock:
-            extra = _aligned(nbytes) - self._tracked.get(key, 0)
+            extra = aligned(nbytes) - self._tracked.get(key, 0)
             if extra > 0:
                 self._check([extra])  # a real device fails before the storage grows
         storage.resize_(nbytes)
@@ -229,7 +235,7 @@ class AccountedDevice:
         """
         tensors: list[torch.Tensor] = []
         for obj in objects:
-            tensors.extend(_tensors_of(obj))
+            tensors.extend(tensors_of(obj))
         fresh: dict[int, torch.UntypedStorage] = {}
         for tensor in tensors:
             if tensor.device.type != "cpu" or tensor.layout != torch.strided:
@@ -264,7 +270,7 @@ class AccountedDevice:
 
     def _allocate(self, storages: list[torch.UntypedStorage], count_faults: bool = True) -> None:
         # Empty storages are tracked too (at 0 bytes, not as allocations) so that a later resize_ is seen.
-        sizes = [_aligned(int(s.nbytes())) for s in storages]
+        sizes = [aligned(int(s.nbytes())) for s in storages]
         with self._lock:
             self._check([size for size in sizes if size], count_faults)  # all or nothing for the op
             for storage, size in zip(storages, sizes, strict=True):
@@ -283,7 +289,7 @@ class AccountedDevice:
     def _resized(self, storage: torch.UntypedStorage, count_faults: bool) -> None:
         """A tracked storage changed size (``resize_``, ``set_``, ``out=``): account the growth or the release."""
         key = id(storage)
-        size = _aligned(int(storage.nbytes()))
+        size = aligned(int(storage.nbytes()))
         with self._lock:
             extra = size - self._tracked[key]
             if extra > 0:  # a growth is one more device allocation
@@ -300,13 +306,20 @@ class AccountedDevice:
         if self._on_allocate is not None:
             self._on_allocate(self._allocated)
 
+    def _before(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
+        """Refuse an op that grows a storage or that both mutates and allocates, before it runs (see above)."""
+        if func is RESIZE:
+            self._check_resize(args[0], args[1])
+        elif writes_and_allocates(func, args):
+            self._precheck(func, args, kwargs)
+
     def _check_resize(self, tensor: torch.Tensor, size: Any) -> None:
         if tensor.device.type != "cpu" or id(tensor.untyped_storage()) in self._host:
             return
         numel = 1
         for dim in size:
             numel *= int(dim)
-        needed = _aligned((int(tensor.storage_offset()) + numel) * tensor.element_size())
+        needed = aligned((int(tensor.storage_offset()) + numel) * tensor.element_size())
         current = self._tracked.get(id(tensor.untyped_storage()), 0)
         if needed > current:
             with self._lock:
@@ -322,7 +335,7 @@ class AccountedDevice:
         aliased = {i for i, ret in enumerate(func._schema.returns) if ret.alias_info is not None}
         outs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
         sizes = [
-            _aligned(int(t.untyped_storage().nbytes()))
+            aligned(int(t.untyped_storage().nbytes()))
             for i, t in enumerate(outs)
             if i not in aliased and isinstance(t, torch.Tensor)
         ]
@@ -343,7 +356,7 @@ class AccountedDevice:
         for storage in cpu_storages(out):
             key = id(storage)
             if key in self._tracked:
-                if _aligned(int(storage.nbytes())) != self._tracked[key]:
+                if aligned(int(storage.nbytes())) != self._tracked[key]:
                     self._resized(storage, count_faults=func is not RESIZE)  # resize_: checked
             elif key in self._host or (key in input_keys and func not in FRESH):
                 continue
@@ -370,16 +383,3 @@ class AccountedDevice:
         if self._all_host(inputs):
             return {id(s) for s in cpu_storages(out)}
         return set()
-
-
-def _tensors_of(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, torch.nn.Module):
-        found = list(obj.parameters()) + list(obj.buffers())
-        return found + [p.grad for p in obj.parameters() if p.grad is not None]
-    if isinstance(obj, torch.optim.Optimizer):
-        return [v for state in obj.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
-        return [t for item in obj for t in _tensors_of(item)]
-    raise TypeError(f"adopt() takes modules, optimizers, tensors or iterables of them, got {type(obj).__name__}")

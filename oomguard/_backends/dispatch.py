@@ -1,5 +1,5 @@
-"""The dispatch side of the accounting: the ``TorchDispatchMode`` that shows every aten op to an
-:class:`~oomguard._backends.accounting.AccountedDevice`, and the helpers that classify ops and their tensors.
+"""The dispatch side of the accounting: the ``TorchDispatchMode`` that shows every aten op to the accounting of
+:mod:`oomguard._backends.accounting`, and the helpers that classify ops and their tensors.
 
 What is counted, and why, is told in :mod:`oomguard._backends.accounting`.
 """
@@ -7,15 +7,13 @@ What is counted, and why, is told in :mod:`oomguard._backends.accounting`.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.autograd.graph import increment_version
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-
-if TYPE_CHECKING:
-    from oomguard._backends.accounting import AccountedDevice
 
 __all__: list[str] = []
 
@@ -80,22 +78,45 @@ class Paused(threading.local):
     active = False
 
 
-class AccountingMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
-    """Runs every aten op and hands it, with its outputs, to the device's accounting."""
+ALIGN = 512  # CUDA's caching allocator rounds every block up to 512 bytes
 
-    def __init__(self, gpu: AccountedDevice) -> None:
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` as the device's allocator holds it."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """The tensors of what ``adopt`` takes: a module's parameters, buffers and gradients, an optimizer's state."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, torch.nn.Module):
+        found = list(obj.parameters()) + list(obj.buffers())
+        return found + [p.grad for p in obj.parameters() if p.grad is not None]
+    if isinstance(obj, torch.optim.Optimizer):
+        return [v for state in obj.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
+        return [t for item in obj for t in tensors_of(item)]
+    raise TypeError(f"adopt() takes modules, optimizers, tensors or iterables of them, got {type(obj).__name__}")
+
+
+#: Told an op, its arguments and keyword arguments (and, after it ran, its outputs).
+OpHook = Callable[..., None]
+
+
+class AccountingMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
+    """Runs every aten op between the accounting's two hooks: ``before`` may refuse it (raise the OOM a device
+    would raise before the kernel ran), ``after`` accounts its outputs. Nothing is accounted while paused."""
+
+    def __init__(self, paused: Paused, before: OpHook, after: OpHook) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.gpu = gpu
+        self.paused, self.before, self.after = paused, before, after
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        gpu = self.gpu
-        if gpu._paused.active:
+        if self.paused.active:
             return func(*args, **kwargs)
-        if func is RESIZE:
-            gpu._check_resize(args[0], args[1])
-        elif writes_and_allocates(func, args):
-            gpu._precheck(func, args, kwargs)
+        self.before(func, args, kwargs)
         mutated = written(func, args, kwargs)
         versions = [t._version for t in mutated]
         out = func(*args, **kwargs)
@@ -104,5 +125,5 @@ class AccountingMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         stale = [t for t, v in zip(mutated, versions, strict=True) if t._version == v]
         if stale:
             increment_version(stale)
-        gpu._account(func, args, kwargs, out)
+        self.after(func, args, kwargs, out)
         return out

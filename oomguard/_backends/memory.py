@@ -21,6 +21,7 @@ __all__ = [
     "CudaMemory",
     "MemoryBackend",
     "MemorySnapshot",
+    "bf16_supported",
     "copy_into",
     "current_backend",
     "pop_backend",
@@ -323,3 +324,10 @@ def current_backend(device: torch.device) -> MemoryBackend:
             backend = _CUDA[device] = CudaMemory(device)
         return backend
     return _CPU
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """Whether bf16 autocast runs natively on ``device`` (CPU: yes; CUDA: compute capability 8.0+)."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    return True

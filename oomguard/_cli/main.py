@@ -81,13 +81,13 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from oomguard._cli.report import Report, plot, read_log
+    from oomguard._cli.report import plot, read_log, table, tallied
 
     try:
         events = read_log(args.log)
     except OSError as error:
         raise SystemExit(f"oomguard report: cannot read {args.log}: {error.strerror or error}") from error
-    print(Report.from_events(events).table())
+    print(table(tallied(events)))
     if args.plot:
         plot(events, args.plot, title=args.log)
         print(f"\nPlot written to {args.plot}.")

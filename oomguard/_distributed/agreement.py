@@ -33,13 +33,15 @@ import torch
 import torch.distributed as dist
 
 from oomguard._distributed.peers import Outcome
-from oomguard._ladder.plan import Plan
+from oomguard._ladder.ladder import Ladder
+from oomguard._ladder.plan import Phase, Plan
 
 __all__ = ["Agreement", "Verdict", "ddp_of", "distributed_active", "quiet_ddp", "unwrap"]
 
 _OUTCOMES: tuple[Outcome, ...] = ("ok", "oom", "fatal")  # ordered: the worst is the largest
-_PHASES = ("forward", "backward", "optimizer", "apply")  # the deepest a failure reached wins the MAX
-_PHASE_CODE = {"split": 0, "forward": 0, "backward": 1, "clip": 2, "optimizer": 2, "scheduler": 2, "apply": 3}
+# A failure's phase as a number: the deepest any rank reached wins the MAX, and every rank escalates from it.
+_PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.APPLY)
+_PHASE_CODE = {Phase.SPLIT: 0, Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.CLIP: 2, Phase.OPTIMIZER: 2, Phase.APPLY: 3}
 
 
 def distributed_active() -> bool:
@@ -57,38 +59,26 @@ class Verdict:
     """What the ranks agreed after forward and backward."""
 
     outcome: Outcome  # the worst of all ranks
-    phase: str  # the deepest phase any rank failed in
+    phase: Phase  # the deepest phase any rank failed in
     journal: bool  # some rank needs a journaled optimizer step
 
 
 class Agreement:
     """The agreement protocol of one guard: fixed-size all-reduces on a buffer allocated once."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, ladder: Ladder) -> None:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         on_device = dist.get_backend() == "nccl"  # NCCL reduces device tensors, gloo host tensors
-        self._buffer = torch.zeros(5, dtype=torch.int64, device=device if on_device else torch.device("cpu"))
+        width = max(3, len(ladder.known))  # a level per rung a plan can hold, or agreement A's three figures
+        self._buffer = torch.zeros(width, dtype=torch.int64, device=device if on_device else torch.device("cpu"))
 
-    def plan(self, plan: Plan, batch_size: int) -> Plan:
-        """The plan every rank uses: per field, the most conservative of the ranks' choices."""
-        agreed = self._all_max(
-            -plan.effective_micro_batch_size(batch_size),
-            (None, "bf16", "fp16").index(plan.precision),
-            (None, "partial", "full").index(plan.checkpointing),
-            int(plan.activation_offload),
-            plan.offload_layers,
-        )
-        micro = -agreed[0]
-        return Plan(
-            micro_batch_size=None if micro >= batch_size else micro,
-            precision=(None, "bf16", "fp16")[agreed[1]],  # type: ignore[arg-type]
-            checkpointing=(None, "partial", "full")[agreed[2]],  # type: ignore[arg-type]
-            activation_offload=bool(agreed[3]),
-            offload_layers=agreed[4],
-        )
+    def plan(self, plan: Plan, batch_size: int, ladder: Ladder) -> Plan:
+        """The plan every rank uses: per rung, the deepest level any rank chose."""
+        levels = self._all_max(*ladder.levels(plan, batch_size))
+        return ladder.at_levels(plan, levels, batch_size)
 
-    def after_backward(self, outcome: Outcome, phase: str, journal: bool) -> Verdict:
+    def after_backward(self, outcome: Outcome, phase: Phase, journal: bool) -> Verdict:
         """Agreement A: how every rank's forward and backward went, and whether any needs a journal."""
         code = _PHASE_CODE.get(phase, 0) if outcome != "ok" else 0
         agreed = self._all_max(_OUTCOMES.index(outcome), code, int(journal))

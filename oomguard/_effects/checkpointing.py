@@ -17,14 +17,39 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from oomguard._backends.memory import MemoryBackend
+from oomguard._effects.base import Effect, EffectTarget
 from oomguard._effects.blocks import find_blocks, is_transformers_model
-from oomguard._ladder.plan import CheckpointingMode
+from oomguard._ladder.plan import CheckpointingMode, Plan
 
-__all__ = ["enable_checkpointing", "user_checkpointing"]
+__all__ = ["CheckpointingEffect", "enable_checkpointing", "user_checkpointing"]
 
 _KWARGS = {"use_reentrant": False}
 _MISSING = object()
 _HOOK_ATTRS = ("_require_grads_hooks", "_require_grads_hook")  # where transformers keeps its input-grad hooks
+
+
+class CheckpointingEffect(Effect):
+    """The checkpointing rung's effect: checkpointing on in the plan's mode, and the model put back after."""
+
+    def __init__(self, target: EffectTarget) -> None:
+        super().__init__(target)
+        self._mode: CheckpointingMode | None = None
+        self._undo: Callable[[], None] | None = None
+
+    def apply(self, plan: Plan, backend: MemoryBackend) -> bool:
+        if plan.checkpointing == self._mode:
+            return False
+        self.close()
+        if plan.checkpointing is not None:
+            self._undo = enable_checkpointing(self.target.model, plan.checkpointing)
+            self._mode = plan.checkpointing
+        return True
+
+    def close(self) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo, self._mode = None, None
 
 
 def user_checkpointing(model: torch.nn.Module) -> bool:

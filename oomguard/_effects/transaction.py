@@ -32,6 +32,7 @@ from oomguard._backends.memory import MemoryBackend
 from oomguard._detect import is_oom
 from oomguard._distributed.peers import Agree, peer_failure
 from oomguard._errors import StepRollbackError
+from oomguard._ladder.plan import Phase
 
 __all__ = ["JournalMode", "OptimizerTransaction"]
 
@@ -202,7 +203,7 @@ class OptimizerTransaction:
         outcome = agree("ok") if agree is not None else "ok"
         if outcome != "ok":
             undo()
-            raise peer_failure(outcome, "optimizer")
+            raise peer_failure(outcome, Phase.OPTIMIZER)
 
     def _measure(self, backend: MemoryBackend, before: int, params: list[torch.Tensor]) -> None:
         if backend.tracks_allocations:

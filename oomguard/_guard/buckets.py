@@ -1,13 +1,13 @@
-"""The plan book: which plan each kind of batch runs on, and how that changes over a long job.
+"""Buckets: which plan each kind of batch runs on, and how that changes over a long job.
 
-* **Buckets.** Batches are grouped by size (:func:`batch_bucket`), and each bucket keeps its own plan, so one
-  rare oversized batch escalates only its own bucket while normal batches keep running whole. A bucket seen for
-  the first time starts from the plan of the nearest smaller bucket (it needs at least as much), resized by the
-  peak model when it has data.
+* **Buckets.** Batches are grouped by size (:func:`~oomguard._step.batch.batch_bucket`), and each bucket keeps
+  its own plan, so one rare oversized batch escalates only its own bucket while normal batches keep running
+  whole. A bucket seen for the first time starts from the plan of the nearest smaller bucket (it needs at least
+  as much), resized by the peak model when it has data.
 * **Stepping back up.** After ``relax_after`` consecutive clean steps on a degraded plan, the next call tries
-  the plan one rung up (:func:`~oomguard._ladder.rungs.relax`) once. If it fits, it is kept; if it runs out of memory,
-  the same call falls back to the plan that worked and the wait before the next try doubles, so the guard never
-  thrashes. Memory freed by another process is reclaimed this way.
+  the plan one rung up (:meth:`~oomguard._ladder.ladder.Ladder.relax`) once. If it fits, it is kept; if it runs
+  out of memory, the same call falls back to the plan that worked and the wait before the next try doubles, so
+  the guard never thrashes. Memory freed by another process is reclaimed this way.
 * **Predictive sizing** (:class:`~oomguard._ladder.predict.PeakModel`): micro-batch sizes come from measured peaks
   where there are any, instead of halving or doubling blindly.
 * **Persistence** (:class:`~oomguard._guard.persist.PlanStore`): every change is written to the state file.
@@ -17,37 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-import torch
-
+from oomguard._backends.memory import MemoryBackend
 from oomguard._guard.persist import PlanStore
+from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Plan
 from oomguard._ladder.predict import PeakModel
-from oomguard._ladder.rungs import relax
 
-__all__ = ["Choice", "PlanBook", "batch_bucket", "items_per_sample"]
-
-
-def _largest_numel(batch: Any) -> int:
-    from oomguard._step.batch import _leaves
-
-    return max((tensor.numel() for _, tensor in _leaves(batch)), default=0)
-
-
-def batch_bucket(batch: Any) -> int:
-    """The bucket of a batch: its largest tensor's element count rounded up to a power of two.
-
-    >>> batch_bucket({"input_ids": torch.zeros(16, 256)}), batch_bucket({"input_ids": torch.zeros(16, 300)})
-    (4096, 8192)
-    """
-    numel = _largest_numel(batch)
-    return 1 << max(0, numel - 1).bit_length()
-
-
-def items_per_sample(batch: Any, size: int) -> float:
-    """Elements of the largest tensor per sample (tokens per sequence for a language model)."""
-    return _largest_numel(batch) / max(1, size)
+__all__ = ["Buckets", "Choice"]
 
 
 @dataclass
@@ -64,17 +41,22 @@ class Choice:
 
     bucket: int
     plan: Plan
-    relaxing: bool = False
-    fallback: Plan | None = None  # the bucket's plan, to return to if the try fails
+    fallback: Plan | None = None  # the bucket's plan, to return to if the try at a cheaper ``plan`` fails
+    given_back: str | None = None  # the rung that try gives back
+
+    @property
+    def relaxing(self) -> bool:
+        return self.fallback is not None
 
 
-class PlanBook:
+class Buckets:
     """Plans per bucket, with stepping back up, predictive sizing and persistence."""
 
-    def __init__(self, relax_after: int | None, predictor: PeakModel | None, min_micro_batch: int = 1) -> None:
+    def __init__(self, ladder: Ladder, relax_after: int | None, predictive: bool, grad_bytes: int) -> None:
+        self.ladder = ladder
         self.relax_after = relax_after
-        self.predictor = predictor
-        self.min_micro_batch = min_micro_batch
+        self.predictor = PeakModel() if predictive else None
+        self.grad_bytes = grad_bytes  # what the peak model takes as fixed when it has one point only
         self.default = Plan()
         self.store: PlanStore | None = None
         self._buckets: dict[int, _Bucket] = {}
@@ -105,21 +87,23 @@ class PlanBook:
                 state.saved = True
 
     # -- choosing -------------------------------------------------------------------------------------
-    def choose(self, bucket: int, size: int, sizing: Callable[[Plan], int | None]) -> Choice:
-        """The plan for a call on a batch of ``size`` samples in ``bucket``.
+    def choose(self, bucket: int, size: int, backend: MemoryBackend, per_sample: float) -> Choice:
+        """The plan for a call on a batch of ``size`` samples (``per_sample`` items each) in ``bucket``."""
 
-        ``sizing(plan)`` is the largest micro-batch the peak model predicts for that plan's configuration.
-        """
+        def sizing(plan: Plan) -> int | None:  # the largest micro-batch predicted for plan's configuration
+            return self.predict(plan, backend, per_sample)
+
         state = self._buckets.get(bucket)
         if state is None:
             state = self._buckets[bucket] = _Bucket(self._starting_plan(bucket, size, sizing), self._initial_wait())
         if self.relax_after is None or state.clean < state.wait:
             return Choice(bucket, state.plan)
-        cheaper = relax(state.plan, size, self.min_micro_batch)
-        if cheaper is None:
+        relaxed = self.ladder.relax(state.plan, size)
+        if relaxed is None:
             return Choice(bucket, state.plan)
+        rung, cheaper = relaxed
         cheaper = self._sized(cheaper, size, sizing, grow=True)
-        return Choice(bucket, cheaper, relaxing=True, fallback=state.plan)
+        return Choice(bucket, cheaper, fallback=state.plan, given_back=rung.name)
 
     def _starting_plan(self, bucket: int, size: int, sizing: Callable[[Plan], int | None]) -> Plan:
         smaller = [b for b in self._buckets if b < bucket]
@@ -138,12 +122,32 @@ class PlanBook:
         if predicted is None:
             return plan
         current = plan.effective_micro_batch_size(size)
-        target = max(self.min_micro_batch, min(size, predicted))
+        target = max(self.ladder.min_micro_batch(size), min(size, predicted))
         if not grow:
             target = min(target, current)
         elif target <= current:
             return plan  # the model sees no room: try the plain step up and let the outcome teach it
         return plan.replace(micro_batch_size=None if target >= size else target)
+
+    # -- predictive sizing ----------------------------------------------------------------------------
+    def predict(self, plan: Plan, backend: MemoryBackend, per_sample: float) -> int | None:
+        """The largest micro-batch the peak model predicts for ``plan`` on ``backend`` now, if it can tell."""
+        capacity = backend.total_memory()
+        if self.predictor is None or capacity is None or not backend.tracks_allocations:
+            return None
+        in_use = backend.memory_allocated()
+        return self.predictor.max_micro_batch(plan, capacity, in_use, per_sample, self.grad_bytes)
+
+    def learn_success(self, plan: Plan, items: int, excess: int, backend: MemoryBackend) -> None:
+        """A step on ``plan`` with micro-batches of ``items`` peaked ``excess`` bytes above where it began."""
+        if self.predictor is not None and backend.tracks_allocations:
+            self.predictor.record_success(plan, items, excess, self.grad_bytes)
+
+    def learn_failure(self, plan: Plan, items: int, base: int | None, backend: MemoryBackend) -> None:
+        """An attempt on ``plan`` that began with ``base`` bytes in use ran out of memory."""
+        capacity = backend.total_memory()
+        if self.predictor is not None and capacity is not None and base is not None:
+            self.predictor.record_failure(plan, items, capacity, base, self.grad_bytes)
 
     # -- outcomes -------------------------------------------------------------------------------------
     def succeeded(self, choice: Choice, plan: Plan) -> bool:
@@ -173,20 +177,11 @@ class PlanBook:
         state = self._buckets[choice.bucket]
         state.clean = 0
         state.wait = max(1, 2 * state.wait)
-        assert choice.fallback is not None
+        if choice.fallback is None:
+            raise ValueError("relax_failed() takes the choice of a try at a cheaper plan")
         return choice.fallback
 
     def next_try_after(self, bucket: int) -> int:
         """Clean steps the bucket still waits before trying a cheaper plan."""
         state = self._buckets[bucket]
         return max(0, state.wait - state.clean)
-
-
-def items_of(batch: Any) -> int:
-    """Elements of the batch's largest tensor (what the peak model scales with)."""
-    return _largest_numel(batch)
-
-
-def grad_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the gradients of every trainable parameter: the part of a step's peak that micro-batching keeps."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -1,10 +1,9 @@
 """The guard: run a training step, and on an out-of-memory error free memory and retry one rung down.
 
-The loop itself is tenacity's: an attempt either returns a :class:`StepResult` or a small failure record (the
-exception and its frames are already dropped, so nothing of the failed attempt stays alive); tenacity's
-``after`` hook frees memory and picks the next plan; its stop condition is the exhausted ladder or a bound on
-attempts and time. Which plan a call starts from — per batch bucket, stepping back up after clean steps,
-sized by measured peaks, remembered across restarts — is the plan book's business.
+:meth:`OOMGuard._recover` is the recovery loop, and the only one: the decorated call, the Trainer's forward and
+backward, and the Trainer's own optimizer step all go through it. Which plan a call starts from (per batch
+bucket, stepping back up after clean steps, sized by measured peaks, remembered across restarts) is the
+buckets' business (:mod:`oomguard._guard.buckets`); what the events add up to is the tally's.
 """
 
 from __future__ import annotations
@@ -12,21 +11,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import tenacity
-import torch
+from typing import Any, NoReturn, TypeVar
 
 from oomguard._backends.memory import MemoryBackend, current_backend, snapshot
-from oomguard._backends.telemetry import apply_expandable_segments
 from oomguard._detect import is_oom
-from oomguard._distributed.agreement import Agreement, ddp_of, distributed_active, unwrap
-from oomguard._effects.blocks import find_blocks
-from oomguard._effects.checkpointing import user_checkpointing
-from oomguard._effects.effects import Effects
-from oomguard._effects.transaction import JournalMode, OptimizerTransaction, Scheduler
+from oomguard._distributed.agreement import Agreement, distributed_active, unwrap
 from oomguard._errors import GuardConfigError, LadderExhausted, OOMGuardError, RecoveryLimitExceeded
 from oomguard._events import (
     Event,
@@ -42,140 +33,60 @@ from oomguard._events import (
     log_event,
     logger,
 )
-from oomguard._guard.buckets import PlanBook, batch_bucket, grad_bytes, items_per_sample
+from oomguard._guard.attempts import Attempt, OptimizerStep, Run
+from oomguard._guard.buckets import Buckets, Choice
 from oomguard._guard.persist import PlanStore, model_fingerprint
-from oomguard._guard.recovery import Call, Failed, free_failed_attempt, give_up_message, stop_if_exhausted
+from oomguard._guard.recovery import (
+    Bounds,
+    Call,
+    Failure,
+    GiveUp,
+    device_telemetry,
+    free_failed_attempt,
+    give_up_message,
+)
 from oomguard._guard.results import GuardSummary, StepResult
-from oomguard._ladder.plan import RUNG_ORDER, Plan
-from oomguard._ladder.predict import PeakModel
-from oomguard._ladder.rungs import Rung, RungContext, bf16_supported, resolve_ladder
-from oomguard._options import check_optional_positive_int, validate
-from oomguard._step.batch import batch_size, default_item_counter
-from oomguard._step.runner import Reduction, StepRunner
+from oomguard._guard.tally import Tally
+from oomguard._ladder.plan import Plan
+from oomguard._ladder.rungs import RungContext
+from oomguard._options import GuardOptions, takes_options
+from oomguard._planner.fakes import preplan
+from oomguard._step.batch import batch_size, items_per_sample
+from oomguard._step.build import build_runner, model_context
+from oomguard._step.runner import AttemptOutput, Reduction
 
 __all__ = ["OOMGuard"]
 
 _EVENTS_KEPT = 10_000  # in memory; the log file keeps everything
-
-
-def _no_sleep(_: float) -> None:
-    return None
-
-
-_FIELDS = {"amp": "precision", "checkpointing": "checkpointing", "activation_offload": "activation_offload"}
-
-
-def _given_back(previous: Plan, cheaper: Plan) -> str:
-    """The rung a relaxation gives back (``micro_batch`` when only the micro-batches grew)."""
-    for name in reversed(RUNG_ORDER[1:]):
-        attribute = _FIELDS.get(name, "offload_layers")
-        if getattr(previous, attribute) != getattr(cheaper, attribute):
-            return str(name)
-    return "micro_batch"
+T = TypeVar("T")
 
 
 class OOMGuard:
     """Runs a training step and keeps it alive through out-of-memory errors.
 
-    Use it through :func:`oomguard.oom_guard`; the decorated function's ``.guard`` is this object. See that
-    function for the arguments.
+    Use it through :func:`oomguard.oom_guard`; the decorated function's ``.guard`` is this object. It takes the
+    same options (see that function).
     """
 
-    def __init__(
-        self,
-        step_fn: Callable[[Any], Any],
-        *,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Scheduler | None = None,
-        log_file: str | Path | None = None,
-        ladder: Iterable[str | Rung] | None = None,
-        max_grad_norm: float | None = None,
-        count_items: Callable[[Any], float] | None = None,
-        reduction: Reduction = "mean",
-        max_attempts: int = 256,
-        max_recovery_seconds: float | None = 3600.0,
-        sinks: Sequence[EventSink] = (),
-        step_journal: JournalMode = "auto",
-        state_file: str | Path | None = None,
-        relax_after: int | None = 200,
-        predictive: bool = True,
-        bucket: Callable[[Any], int] = batch_bucket,
-        log_every: int | None = 10,
-        fix_fragmentation: bool = False,
-        accelerator: Any = None,
-        preplan: bool = False,
-        _steps: bool = True,
-    ) -> None:
-        validate(model, optimizer, scheduler, max_grad_norm, reduction, max_attempts, max_recovery_seconds)
-        if step_journal not in ("auto", "always", "never"):
-            raise GuardConfigError(f"step_journal must be 'auto', 'always' or 'never', got {step_journal!r}")
-        check_optional_positive_int("relax_after", relax_after)
-        check_optional_positive_int("log_every", log_every)
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.ladder = resolve_ladder(ladder)
-        self.transaction = OptimizerTransaction(optimizer, step_journal)
-        self._device = next(model.parameters()).device
-        self._ddp = ddp_of(model)
-        core = unwrap(model)  # rungs change the module inside DDP, never the wrapper
-        blocks = find_blocks(core)
-        self._rung_context = RungContext(
-            batch_size=0,
-            num_blocks=len(blocks),
-            bf16_supported=bf16_supported(self._device),
-            checkpointed=user_checkpointing(core),
-            amp_available=accelerator is None or getattr(accelerator, "mixed_precision", "no") == "no",
-        )
-        self.effects = Effects(core, optimizer, blocks)
-        self._runner = StepRunner(
-            step_fn,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            transaction=self.transaction,
-            effects=self.effects,
-            max_grad_norm=max_grad_norm,
-            item_counter=count_items or default_item_counter(model),
-            reduction=reduction,
-            ddp=self._ddp,
-            accelerator=accelerator,
-            steps=_steps,
-        )
-        self._log_file = log_file
-        self._sinks: list[EventSink] = list(sinks)
-        self._book = PlanBook(relax_after, PeakModel() if predictive else None)
-        self._state_file = state_file
-        self._bucket = bucket
-        self._log_every = log_every
-        self._fix_fragmentation = fix_fragmentation
-        self._step_fn, self._max_grad_norm, self._preplan = step_fn, max_grad_norm, preplan
-        self._grad_bytes = grad_bytes(core)
-        self._started = False
-        self._last_bucket: int | None = None
-        self._last_plan = Plan()
-        self._plan_rung: str | None = None
-        self._steps = 0
+    @takes_options(GuardOptions)
+    def __init__(self, step_fn: Callable[[Any], Any], /, **options: Any) -> None:
+        self.options = GuardOptions(**options)
+        self.model, self.optimizer, self.scheduler = self.options.model, self.options.optimizer, self.options.scheduler
+        self.ladder = self.options.rungs
+        self._step_fn = step_fn
+        self._runner = build_runner(step_fn, self.options)
+        self.effects, self.transaction = self._runner.effects, self._runner.transaction
+        self._context = model_context(self._runner)
+        self._device = next(self.model.parameters()).device
+        self._buckets = Buckets(self.ladder, self.options.relax_after, self.options.predictive, self._runner.grad_bytes)
+        self._bounds = Bounds(self.options.max_attempts, self.options.max_recovery_seconds)
+        self._tally = Tally()
         self._events: collections.deque[Event] = collections.deque(maxlen=_EVENTS_KEPT)
-        self._fallbacks: collections.Counter[str] = collections.Counter()
-        self._steps_by_rung: collections.Counter[str] = collections.Counter()
-        self._relaxations = [0, 0]
-        self._ooms = 0
-        self._recovered = 0
-        self._exhausted = 0
-        self._seconds_lost = 0.0
-        stop = tenacity.stop_after_attempt(max_attempts) | stop_if_exhausted
-        self._max_attempts = max_attempts
-        self._max_seconds = max_recovery_seconds
-        self._retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_result(lambda outcome: isinstance(outcome, Failed)),
-            stop=stop,
-            after=self._recover,
-            retry_error_callback=self._give_up,
-            wait=tenacity.wait_none(),
-            sleep=_no_sleep,
-        )
+        self._sinks: list[EventSink] = [self._tally, *self.options.sinks]
+        self._started = False
+        self._last: Call | None = None  # the last call that succeeded, without its batch
+        self._last_plan = Plan()
+        self._plan_rung: str | None = None  # the rung engaged last, named in OOM events
 
     # -- public state -----------------------------------------------------------------------------------
     @property
@@ -187,18 +98,18 @@ class OOMGuard:
     def plan(self, plan: Plan) -> None:
         if not isinstance(plan, Plan):
             raise GuardConfigError(f"guard.plan takes an oomguard.Plan, got {type(plan).__name__}")
-        self._book.reset(plan)
+        self._buckets.reset(plan)
         self._last_plan, self._plan_rung = plan, None
 
     @property
     def plans(self) -> dict[int, Plan]:
         """The plan of every batch bucket seen so far (and those loaded from the state file)."""
-        return self._book.plans()
+        return self._buckets.plans()
 
     @property
     def steps(self) -> int:
         """Successful calls so far (each one optimizer step)."""
-        return self._steps
+        return self._tally.steps
 
     @property
     def events(self) -> list[Event]:
@@ -214,19 +125,185 @@ class OOMGuard:
 
     def summary(self) -> GuardSummary:
         """Which fallbacks were needed and how often."""
-        return GuardSummary(
-            steps=self._steps,
-            ooms=self._ooms,
-            fallbacks=dict(self._fallbacks),
-            recovered_steps=self._recovered,
-            exhausted=self._exhausted,
-            seconds_lost=self._seconds_lost,
-            plan=self._last_plan,
-            relaxations=(self._relaxations[0], self._relaxations[1]),
-            steps_by_rung=dict(self._steps_by_rung),
+        return self._tally.summary(self._last_plan)
+
+    # -- calls ------------------------------------------------------------------------------------------
+    def __call__(self, batch: Any) -> StepResult:
+        """Train on ``batch``: one optimizer step, however many attempts and micro-batches it takes."""
+        return self._call(batch, step=True)
+
+    def accumulate(self, batch: Any, reduction: Reduction | None = None) -> StepResult:
+        """Forward and backward of ``batch`` only, recovered like a call: the gradients are left for the caller
+        to step with (through :meth:`protected_step`). ``reduction`` overrides the guard's for this batch."""
+        return self._call(batch, step=False, reduction=reduction)
+
+    def protected_step(self, run: Callable[[], None], replay: Callable[[], None]) -> None:
+        """An optimizer step driven from outside the guard (the Trainer's), made undoable and recoverable.
+
+        ``run`` steps the optimizer; on an OOM it is undone, the guard recovers one rung down (the phase is the
+        optimizer step, so the ladder prefers what relieves it), ``replay`` recomputes the gradients of the same
+        batch on the new plan (through :meth:`accumulate`), and the step runs again: still exactly one step.
+        """
+        last = self._last
+        if last is None:
+            raise GuardConfigError("protected_step() steps the gradients of a guarded call: call the guard first")
+        bucket = last.choice.bucket
+        call = Call(None, last.size, current_backend(self._device), Choice(bucket, self._last_plan), self._last_plan,
+                    last.items_per_sample)  # fmt: skip
+
+        def replan(plan: Plan) -> Plan:
+            self._buckets.escalated(bucket, plan)
+            replay()
+            return self._last_plan  # where the replay settled
+
+        self._recover(call, OptimizerStep(call, self.transaction, run, replan))
+
+    def _call(self, batch: Any, *, step: bool, reduction: Reduction | None = None) -> StepResult:
+        size = batch_size(batch)  # raises BatchSplitError for a batch that could never be split
+        backend = current_backend(self._device)
+        self._start(backend, batch)
+        per_sample = items_per_sample(batch, size)
+        choice = self._buckets.choose(self.options.bucket(batch), size, backend, per_sample)
+        agreement = self._runner.agreement
+        if agreement is not None:  # every rank starts the call on the same plan
+            agreed = agreement.plan(choice.plan, size, self.ladder)
+            if agreed != choice.plan:
+                choice = Choice(choice.bucket, agreed)
+        call = Call(batch, size, backend, choice, choice.plan, per_sample)
+        output = self._recover(call, Run(self._runner, call, step=step, reduction=reduction))
+        return self._succeed(call, output)
+
+    # -- the recovery loop ------------------------------------------------------------------------------
+    def _recover(self, call: Call, attempt: Attempt[T]) -> T:
+        """Run ``attempt`` on the call's plan until it succeeds; each out-of-memory error frees what the attempt
+        held, is recorded, and moves the call to the next plan, or ends it (LadderExhausted, RecoveryLimitExceeded).
+        """
+        while True:
+            started = time.perf_counter()
+            try:
+                return attempt(call.plan)
+            except Exception as exc:
+                if isinstance(exc, OOMGuardError) or not is_oom(exc):  # ours may wrap an OOM: never retry them
+                    raise
+                # Keep a summary only: leaving this block drops the exception, its traceback and the frames of
+                # the failed forward and backward, and with them the autograd graph.
+                summary = FailureSummary.from_exception(exc, attempt.phase, attempt.micro_batch, snapshot(call.backend))
+            failure = Failure(call.plan, summary, time.perf_counter() - started, attempt.base)
+            self._free_and_record(call, failure)
+            call.plan = self._next_plan(call, failure, attempt)
+
+    def _free_and_record(self, call: Call, failure: Failure) -> None:
+        """Free what the failed attempt held, and record the OOM (event, tally, peak model)."""
+        cleanup_started = time.perf_counter()
+        free_failed_attempt(self._runner, call.backend, self._device, failure.summary.phase, failure.base)
+        freed = snapshot(call.backend)
+        call.tried.append((failure.plan, failure.summary))
+        lost = failure.seconds + time.perf_counter() - cleanup_started  # the attempt and the cleanup after it
+        call.seconds_lost += lost
+        telemetry = device_telemetry(call.backend, failure.summary.requested_bytes, self.options.fix_fragmentation)
+        self._emit(OOMEvent(self.steps, failure.plan.to_dict(), failure.summary.memory, len(call.tried),
+                            self._plan_rung, failure.summary, freed, lost, telemetry))  # fmt: skip
+        items = round(failure.plan.effective_micro_batch_size(call.size) * call.items_per_sample)
+        self._buckets.learn_failure(failure.plan, items, failure.base, call.backend)
+
+    def _next_plan(self, call: Call, failure: Failure, attempt: Attempt[Any]) -> Plan:
+        """The plan to try next: one rung down, or back to the bucket's plan after a failed try at a cheaper one.
+
+        Gives up (raises) when the ladder has nothing left or a bound on attempts or time is reached.
+        """
+        bound = self._bound_reached(call, attempt.agreement)
+        if call.choice.relaxing and failure.plan == call.choice.plan:  # the try at a cheaper plan failed
+            plan = self._buckets.relax_failed(call.choice)
+            self._emit_relax(call, "failed")
+        else:
+            chosen = self.ladder.next(failure.plan, self._escalation_context(call, failure, attempt))
+            if chosen is None:
+                self._give_up(call, "ladder")
+            rung, plan = chosen
+            if not bound:
+                self._plan_rung = rung.name
+                change = f"{failure.plan.describe(call.size)} -> {plan.describe(call.size)}"
+                self._emit(FallbackEvent(self.steps, plan.to_dict(), snapshot(call.backend), rung.name,
+                                         failure.plan.to_dict(), failure.summary.memory, change))  # fmt: skip
+        if bound:
+            self._give_up(call, bound)
+        return plan
+
+    def _bound_reached(self, call: Call, agreement: Agreement | None) -> GiveUp | None:
+        """The bound on attempts or time this call has reached; under distributed training, one rank's reaching
+        it stops every rank (the attempts are the same on all ranks, so another rank's can only be its clock)."""
+        reached = self._bounds.reached(call)
+        if agreement is None:
+            return reached
+        return (reached or "time") if agreement.any(reached is not None) else None
+
+    def _escalation_context(self, call: Call, failure: Failure, attempt: Attempt[Any]) -> RungContext:
+        # Under distributed training every rank escalates from the same agreed figures, so all reach the same
+        # plan: the deepest phase any rank failed in, and no per-rank prediction.
+        return dataclasses.replace(
+            self._context,
+            batch_size=call.size,
+            phase=attempt.agreed_phase or failure.summary.phase,
+            can_offload=call.backend.offloads,
+            max_micro_batch=None if attempt.agreement is not None else self._buckets.predict(failure.plan, call.backend,
+                                                                                     call.items_per_sample),
+        )  # fmt: skip
+
+    def _give_up(self, call: Call, reason: GiveUp) -> NoReturn:
+        memory = snapshot(call.backend)
+        self._emit(ExhaustedEvent(self.steps, call.plan.to_dict(), memory, reason, len(call.tried),
+                                  tuple(plan.to_dict() for plan, _ in call.tried)))  # fmt: skip
+        message = give_up_message(call, reason, memory, step=self.steps, bounds=self._bounds,
+                                  rungs=", ".join(self.ladder.names))  # fmt: skip
+        error = LadderExhausted if reason == "ladder" else RecoveryLimitExceeded
+        raise error(message, step=self.steps, tried=tuple(call.tried), memory=memory)
+
+    # -- success ----------------------------------------------------------------------------------------
+    def _succeed(self, call: Call, output: AttemptOutput) -> StepResult:
+        plan, ooms = call.plan, len(call.tried)
+        items = round(output.micro_batch_size * call.items_per_sample)
+        self._buckets.learn_success(plan, items, output.peak - output.base, call.backend)
+        result = StepResult(
+            loss=output.loss, micro_batch_size=plan.effective_micro_batch_size(call.size),
+            rungs=plan.rungs(call.size), ooms=ooms, step=self.steps, batch_size=call.size,
+            micro_batches=output.micro_batches, plan=plan, grad_norm=output.grad_norm, seconds_lost=call.seconds_lost,
+        )  # fmt: skip
+        self._tally.count_step(result.rungs)
+        self._last_plan = plan
+        self._last = dataclasses.replace(call, batch=None)  # its batch is the caller's to free
+        choice = call.choice
+        self._buckets.succeeded(choice, plan)
+        if choice.relaxing and plan == choice.plan:
+            self._emit_relax(call, "held")
+        memory = snapshot(call.backend)
+        if ooms:
+            self._emit(RecoveredEvent(result.step, plan.to_dict(), memory, result.rungs, ooms, call.seconds_lost,
+                                      plan.describe(call.size)))  # fmt: skip
+        log_every = self.options.log_every
+        if log_every is not None and (result.step % log_every == 0 or ooms):
+            progress = dataclasses.replace(memory, peak=output.peak)
+            self._emit(ProgressEvent(result.step, plan.to_dict(), progress, output.loss, choice.bucket,
+                                     dict(self._tally.steps_by_rung)))  # fmt: skip
+        return result
+
+    def _emit_relax(self, call: Call, outcome: str) -> None:
+        choice = call.choice
+        if choice.fallback is None or choice.given_back is None:
+            raise ValueError("a relax event needs the choice of a try at a cheaper plan")
+        self._emit(
+            RelaxEvent(
+                step=self.steps - (outcome == "held"),
+                plan=choice.plan.to_dict(),
+                memory=snapshot(call.backend),
+                rung=choice.given_back,
+                previous_plan=choice.fallback.to_dict(),
+                outcome=outcome,
+                next_try_after=self._buckets.next_try_after(choice.bucket),
+                description=f"{choice.fallback.describe(call.size)} -> {choice.plan.describe(call.size)}",
+            )
         )
 
-    # -- the loop ---------------------------------------------------------------------------------------
+    # -- around the calls -------------------------------------------------------------------------------
     def _start(self, backend: MemoryBackend, batch: Any) -> None:
         """First call: join the process group if there is one, open the log, load the state file, preplan."""
         if self._started:
@@ -234,301 +311,19 @@ class OOMGuard:
         self._started = True
         rank = 0
         if distributed_active():
-            self._runner.agreement = Agreement(self._device)
+            self._runner.agreement = Agreement(self._device, self.ladder)
             rank = self._runner.agreement.rank
-        if self._log_file is not None:  # one log per rank: rank k > 0 writes NAME.rank<k>.jsonl beside it
-            path = Path(self._log_file)
-            self._sinks.insert(0, JsonlSink(path if rank == 0 else path.with_suffix(f".rank{rank}{path.suffix}")))
-        if self._state_file is not None:  # every rank reads the plans; only rank 0 writes them
+        if self.options.log_file is not None:  # one log per rank: rank k > 0 writes NAME.rank<k>.jsonl beside it
+            path = Path(self.options.log_file)
+            self._sinks.insert(1, JsonlSink(path if rank == 0 else path.with_suffix(f".rank{rank}{path.suffix}")))
+        if self.options.state_file is not None:  # every rank reads the plans; only rank 0 writes them
             fingerprint = model_fingerprint(unwrap(self.model))
-            self._book.load(PlanStore(self._state_file, fingerprint, backend.identity(), writable=rank == 0))
-        if self._preplan and not self._book.plans():  # a remembered plan beats a predicted one
-            self._start_on_planned(backend, batch)
-
-    def _start_on_planned(self, backend: MemoryBackend, batch: Any) -> None:
-        """``preplan=True``: start from the dry-run planner's recommendation for the first batch."""
-        from oomguard._planner.fakes import preplan  # the planner drives a guard of its own
-
-        report = preplan(
-            self._step_fn, batch, model=self.model, optimizer=self.optimizer, backend=backend,
-            ladder=self.ladder.rungs, max_grad_norm=self._max_grad_norm, bf16=self._rung_context.bf16_supported,
-            distributed=self._runner.agreement is not None,
-        )  # fmt: skip
-        if report is not None and report.recommended is not None:
-            self.plan = report.recommended
-
-    def __call__(self, batch: Any) -> StepResult:
-        """Train on ``batch``: one optimizer step, however many attempts and micro-batches it takes."""
-        size = batch_size(batch)  # raises BatchSplitError for a batch that could never be split
-        backend = current_backend(self._device)
-        self._start(backend, batch)
-        per_sample = items_per_sample(batch, size)
-        choice = self._book.choose(self._bucket(batch), size, lambda plan: self._predict(plan, backend, per_sample))
-        agreement = self._runner.agreement
-        if agreement is not None:  # every rank starts the call on the same plan
-            agreed = agreement.plan(choice.plan, size)
-            if agreed != choice.plan:
-                choice = dataclasses.replace(choice, plan=agreed, relaxing=False, fallback=None)
-        call = Call(batch, size, backend, choice, choice.plan, per_sample)
-        self._last_bucket = choice.bucket
-        result = self._retrying(self._attempt, call)
-        if not isinstance(result, StepResult):  # tenacity returns a failure only through _give_up, which raises
-            raise AssertionError(f"unexpected attempt outcome {result!r}")
-        return result
-
-    def protected_step(self, run: Callable[[], None], replay: Callable[[], None]) -> None:
-        """An optimizer step driven from outside the guard (the Trainer's), made undoable and recoverable.
-
-        ``run`` steps the optimizer; on an OOM it is undone, the guard recovers one rung down (the phase is the
-        optimizer step, so the ladder skips to what relieves it), ``replay`` recomputes the gradients of the same
-        batch on the new plan, and the step runs again: still exactly one committed step.
-        """
-        backend = current_backend(self._device)
-        tried: list[tuple[Plan, FailureSummary]] = []
-        for attempt in range(1, self._max_attempts + 1):
-            started = time.perf_counter()
-            try:
-                self.transaction.step(backend, run=run)
-                return
-            except Exception as exc:
-                if isinstance(exc, OOMGuardError) or not is_oom(exc):
-                    raise
-                summary = FailureSummary.from_exception(exc, "optimizer", 0, snapshot(backend))
-            # Outside the except block: the exception and its frames are gone.
-            plan = self._last_plan
-            free_failed_attempt(self._runner, backend, self._device, "optimizer", base=None)
-            tried.append((plan, summary))
-            seconds = time.perf_counter() - started
-            self._ooms += 1
-            self._seconds_lost += seconds
-            memory = snapshot(backend)
-            self._emit(
-                OOMEvent(
-                    self._steps, plan.to_dict(), summary.memory, attempt, self._plan_rung, summary, memory, seconds
-                )
-            )
-            context = dataclasses.replace(
-                self._rung_context, batch_size=1, phase="optimizer", can_offload=backend.offloads
-            )
-            cheaper = self.ladder.next(plan, context)
-            if cheaper is None or self._last_bucket is None:
-                raise LadderExhausted(
-                    f"oomguard: the optimizer step ran out of memory on every plan ({len(tried)} tried); the model "
-                    f"and optimizer are unchanged. Lower the batch size, add layer_offload to ladder=, or use a "
-                    f"smaller model or a larger GPU.",
-                    step=self._steps,
-                    tried=tuple(tried),
-                    memory=memory,
-                )
-            rung, new_plan = cheaper
-            self._book.escalated(self._last_bucket, new_plan)
-            self._last_plan, self._plan_rung = new_plan, rung.name
-            self._fallbacks[rung.name] += 1
-            self._emit(
-                FallbackEvent(
-                    self._steps, new_plan.to_dict(), memory, rung.name, plan.to_dict(), summary.memory,
-                    f"{plan.describe()} -> {new_plan.describe()}",
-                )
-            )  # fmt: skip
-            replay()
-        raise RecoveryLimitExceeded(
-            f"oomguard: the bound of {self._max_attempts} attempts was reached for one optimizer step; the model "
-            f"and optimizer are unchanged. Raise max_attempts= or lower the batch size.",
-            step=self._steps,
-            tried=tuple(tried),
-            memory=snapshot(backend),
-        )
-
-    def _predict(self, plan: Plan, backend: MemoryBackend, per_sample: float) -> int | None:
-        """The largest micro-batch the peak model predicts for ``plan`` on ``backend`` now, if it can tell."""
-        predictor, capacity = self._book.predictor, backend.total_memory()
-        if predictor is None or capacity is None or not backend.tracks_allocations:
-            return None
-        return predictor.max_micro_batch(plan, capacity, backend.memory_allocated(), per_sample, self._grad_bytes)
-
-    def _attempt(self, call: Call) -> StepResult | Failed:
-        plan = call.plan
-        started = time.perf_counter()
-        try:
-            output = self._runner.run(call.batch, call.size, plan, call.backend)
-        except Exception as exc:
-            if isinstance(exc, OOMGuardError) or not is_oom(exc):  # ours may wrap an OOM: never retry them
-                raise
-            # Keep a summary only; leaving this block drops the exception, its traceback and the frames of
-            # the failed forward/backward (and with them the autograd graph).
-            summary = FailureSummary.from_exception(
-                exc, self._runner.phase, self._runner.micro_batch, snapshot(call.backend)
-            )
-        else:
-            predictor = self._book.predictor
-            if predictor is not None and call.backend.tracks_allocations:
-                items = round(output.micro_batch_size * call.items_per_sample)
-                predictor.record_success(plan, items, output.peak - output.base, self._grad_bytes)
-            return self._succeed(call, plan, output.loss, output.grad_norm, output.micro_batches, output.peak)
-        return Failed(plan, summary, time.perf_counter() - started, self._runner.base)
-
-    def _succeed(
-        self, call: Call, plan: Plan, loss: float, grad_norm: float | None, micro_batches: int, peak: int
-    ) -> StepResult:
-        step = self._steps
-        self._steps += 1
-        ooms = len(call.tried)
-        result = StepResult(
-            loss=loss,
-            micro_batch_size=plan.effective_micro_batch_size(call.size),
-            rungs=plan.rungs(call.size),
-            ooms=ooms,
-            step=step,
-            batch_size=call.size,
-            micro_batches=micro_batches,
-            plan=plan,
-            grad_norm=grad_norm,
-            seconds_lost=call.seconds_lost,
-        )
-        self._last_plan = plan
-        self._steps_by_rung.update(result.rungs or ("none",))
-        choice = call.choice
-        self._book.succeeded(choice, plan)
-        if choice.relaxing and plan == choice.plan:
-            self._relaxations[0] += 1
-            self._emit_relax(call, "held")
-        if ooms:
-            self._recovered += 1
-            self._emit(
-                RecoveredEvent(
-                    step=step,
-                    plan=plan.to_dict(),
-                    memory=snapshot(call.backend),
-                    rungs=result.rungs,
-                    ooms=ooms,
-                    seconds_lost=call.seconds_lost,
-                    description=plan.describe(call.size),
-                )
-            )
-        if self._log_every is not None and (step % self._log_every == 0 or ooms):
-            memory = dataclasses.replace(snapshot(call.backend), peak=peak)
-            self._emit(ProgressEvent(step, plan.to_dict(), memory, loss, choice.bucket, dict(self._steps_by_rung)))
-        return result
-
-    def _emit_relax(self, call: Call, outcome: str) -> None:
-        choice = call.choice
-        assert choice.fallback is not None
-        self._emit(
-            RelaxEvent(
-                step=self._steps - (outcome == "held"),
-                plan=choice.plan.to_dict(),
-                memory=snapshot(call.backend),
-                rung=_given_back(choice.fallback, choice.plan),
-                previous_plan=choice.fallback.to_dict(),
-                outcome=outcome,
-                next_try_after=self._book.next_try_after(choice.bucket),
-                description=f"{choice.fallback.describe(call.size)} -> {choice.plan.describe(call.size)}",
-            )
-        )
-
-    def _recover(self, retry_state: tenacity.RetryCallState) -> None:
-        """After a failed attempt: free what it held, log it, and move one rung down."""
-        call: Call = retry_state.args[0]
-        failed = retry_state.outcome.result() if retry_state.outcome is not None else None
-        if not isinstance(failed, Failed):
-            raise AssertionError("tenacity retried an attempt that did not fail")
-        cleanup_started = time.perf_counter()
-        backend = call.backend
-        free_failed_attempt(self._runner, backend, self._device, failed.summary.phase, failed.base)
-        freed = snapshot(backend)
-        call.tried.append((failed.plan, failed.summary))
-        lost = failed.seconds + time.perf_counter() - cleanup_started  # the attempt and the cleanup after it
-        call.seconds_lost += lost
-        self._ooms += 1
-        self._seconds_lost += lost
-        telemetry = call.backend.telemetry(failed.summary.requested_bytes)
-        if self._fix_fragmentation and telemetry and telemetry.get("fragmentation"):
-            apply_expandable_segments()
-        self._emit(
-            OOMEvent(
-                step=self._steps,
-                plan=failed.plan.to_dict(),
-                memory=failed.summary.memory,
-                attempt=retry_state.attempt_number,
-                rung=self._plan_rung,
-                error=failed.summary,
-                memory_after_recovery=freed,
-                seconds=lost,
-                telemetry=telemetry,
-            )
-        )
-        self._learn_from_failure(call, failed)
-        agreement, verdict = self._runner.agreement, self._runner.verdict
-        time_up = self._max_seconds is not None and time.monotonic() - call.started >= self._max_seconds
-        call.time_up = agreement.any(time_up) if agreement is not None else time_up
-        if call.choice.relaxing and failed.plan == call.choice.plan:  # the try at a cheaper plan: go back
-            call.plan = self._book.relax_failed(call.choice)
-            self._relaxations[1] += 1
-            self._emit_relax(call, "failed")
-            return
-        context = dataclasses.replace(
-            self._rung_context,
-            batch_size=call.size,
-            # Under distributed training every rank escalates from the same agreed figures, so all
-            # reach the same plan: the deepest phase any rank failed in, and no per-rank prediction.
-            phase=verdict.phase if verdict is not None and verdict.outcome != "ok" else failed.summary.phase,
-            can_offload=call.backend.offloads,
-            max_micro_batch=(
-                None if agreement is not None else self._predict(failed.plan, call.backend, call.items_per_sample)
-            ),
-        )
-        cheaper = self.ladder.next(failed.plan, context)
-        if cheaper is None:
-            call.exhausted = True
-            return
-        rung, plan = cheaper
-        call.plan, self._plan_rung = plan, rung.name
-        self._fallbacks[rung.name] += 1
-        self._emit(
-            FallbackEvent(
-                step=self._steps,
-                plan=plan.to_dict(),
-                memory=freed,
-                rung=rung.name,
-                previous_plan=failed.plan.to_dict(),
-                memory_at_failure=failed.summary.memory,
-                description=f"{failed.plan.describe(call.size)} -> {plan.describe(call.size)}",
-            )
-        )
-
-    def _learn_from_failure(self, call: Call, failed: Failed) -> None:
-        predictor, capacity = self._book.predictor, call.backend.total_memory()
-        if predictor is None or capacity is None or not call.backend.tracks_allocations:
-            return
-        items = round(failed.plan.effective_micro_batch_size(call.size) * call.items_per_sample)
-        predictor.record_failure(failed.plan, items, capacity, failed.base, self._grad_bytes)
-
-    def _give_up(self, retry_state: tenacity.RetryCallState) -> StepResult:
-        call: Call = retry_state.args[0]
-        memory = snapshot(call.backend)
-        error: type[LadderExhausted | RecoveryLimitExceeded]
-        if call.exhausted:
-            reason, error = "ladder", LadderExhausted
-        elif call.time_up:
-            reason, error = "time", RecoveryLimitExceeded
-        else:
-            reason, error = "attempts", RecoveryLimitExceeded
-        self._exhausted += 1
-        self._emit(
-            ExhaustedEvent(
-                step=self._steps,
-                plan=call.plan.to_dict(),
-                memory=memory,
-                reason=reason,
-                ooms=len(call.tried),
-                tried=tuple(plan.to_dict() for plan, _ in call.tried),
-            )
-        )
-        message = give_up_message(
-            call, reason, memory, step=self._steps, max_attempts=self._max_attempts, max_seconds=self._max_seconds,
-            rungs=", ".join(self.ladder.names),
-        )  # fmt: skip
-        raise error(message, step=self._steps, tried=tuple(call.tried), memory=memory)
+            self._buckets.load(PlanStore(self.options.state_file, fingerprint, backend.identity(), writable=rank == 0))
+        if self.options.preplan and not self._buckets.plans():  # a remembered plan beats a predicted one
+            report = preplan(self._step_fn, batch, self.options, backend, bf16=self._context.bf16_supported,
+                             distributed=self._runner.agreement is not None)  # fmt: skip
+            if report is not None and report.recommended is not None:
+                self.plan = report.recommended
 
     def _emit(self, event: Event) -> None:
         self._events.append(event)

@@ -1,34 +1,41 @@
-"""After a failed attempt: what the guard keeps of it, how what it held is freed, and how giving up is worded."""
+"""After a failed attempt: what the guard keeps of it, how what it held is freed, the bounds on trying again,
+and how giving up is worded."""
 
 from __future__ import annotations
 
 import gc
-import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import tenacity
 import torch
 
 from oomguard._backends.memory import MemoryBackend, MemorySnapshot
+from oomguard._backends.telemetry import apply_expandable_segments
 from oomguard._backends.units import format_bytes
 from oomguard._detect import is_oom
 from oomguard._events import FailureSummary
 from oomguard._guard.buckets import Choice
-from oomguard._ladder.plan import Plan
+from oomguard._ladder.plan import Phase, Plan
 from oomguard._step.runner import StepRunner
 
-__all__ = ["Call", "Failed", "free_failed_attempt", "give_up_message", "stop_if_exhausted"]
+__all__ = ["Bounds", "Call", "Failure", "GiveUp", "device_telemetry", "free_failed_attempt", "give_up_message"]
+
+#: Why the guard gives up on a batch: nothing left on the ladder, or a bound on attempts or time.
+GiveUp = Literal["ladder", "attempts", "time"]
 
 
 @dataclass(eq=False)
-class Failed:
-    """A failed attempt, as tenacity sees it: the plan and a summary, never the exception."""
+class Failure:
+    """A failed attempt as the guard keeps it: the plan and a summary, never the exception or its frames."""
 
     plan: Plan
     summary: FailureSummary
     seconds: float
-    base: int  # allocated when the attempt began, after its plan was applied
+    base: int | None  # allocated when the attempt began, after its plan was applied (None: unknown)
+
+
+_RETRYING = tenacity.Retrying()  # what a RetryCallState must name; the guard applies the bounds below itself
 
 
 @dataclass(eq=False)
@@ -43,9 +50,26 @@ class Call:
     items_per_sample: float
     tried: list[tuple[Plan, FailureSummary]] = field(default_factory=list)
     seconds_lost: float = 0.0
-    exhausted: bool = False
-    time_up: bool = False
-    started: float = field(default_factory=time.monotonic)
+    #: tenacity's view of the attempts so far (their number, and the time since the call began).
+    attempts: tenacity.RetryCallState = field(default_factory=lambda: tenacity.RetryCallState(_RETRYING, None, (), {}))
+
+
+class Bounds:
+    """The bounds on one call's recovery, as tenacity's stop strategies: attempts, and seconds since the call
+    began."""
+
+    def __init__(self, max_attempts: int, max_seconds: float | None) -> None:
+        self.max_attempts, self.max_seconds = max_attempts, max_seconds
+        self._attempts = tenacity.stop_after_attempt(max_attempts)
+        self._time = tenacity.stop_after_delay(max_seconds) if max_seconds is not None else tenacity.stop_never
+
+    def reached(self, call: Call) -> GiveUp | None:
+        """Which bound the attempts so far have reached (the time bound first), after one more failed."""
+        state = call.attempts
+        state.set_result(None)  # stamps the time of this outcome
+        reason: GiveUp | None = "time" if self._time(state) else "attempts" if self._attempts(state) else None
+        state.prepare_for_next_attempt()
+        return reason
 
 
 def flush_autograd_queue(device: torch.device) -> None:
@@ -63,7 +87,7 @@ def flush_autograd_queue(device: torch.device) -> None:
 
 
 def free_failed_attempt(
-    runner: StepRunner, backend: MemoryBackend, device: torch.device, phase: str, base: int | None
+    runner: StepRunner, backend: MemoryBackend, device: torch.device, phase: Phase, base: int | None
 ) -> None:
     """Free what a failed attempt held: its gradients, autograd's queue, reference cycles, the allocator cache.
 
@@ -71,7 +95,7 @@ def free_failed_attempt(
     full garbage collection). Best effort: what cannot be freed now, the retry finds out about.
     """
     runner.zero_grad()
-    if phase == "backward":
+    if phase == Phase.BACKWARD:
         flush_autograd_queue(device)
     # The failed attempt's error and frames may form reference cycles that hold its tensors: made as it
     # unwound, they are young, and collecting the young generations costs microseconds. The full pass
@@ -86,22 +110,24 @@ def free_failed_attempt(
             raise
 
 
+def device_telemetry(backend: MemoryBackend, requested: int | None, fix_fragmentation: bool) -> dict[str, Any] | None:
+    """What the device looked like at the OOM (NVML, fragmentation), where the backend can tell; with
+    ``fix_fragmentation``, a fragmented CUDA allocator is switched to expandable segments."""
+    telemetry = backend.telemetry(requested)
+    if fix_fragmentation and telemetry and telemetry.get("fragmentation"):
+        apply_expandable_segments()
+    return telemetry
+
+
 def give_up_message(
-    call: Call,
-    reason: str,
-    memory: MemorySnapshot,
-    *,
-    step: int,
-    max_attempts: int,
-    max_seconds: float | None,
-    rungs: str,
+    call: Call, reason: GiveUp, memory: MemorySnapshot, *, step: int, bounds: Bounds, rungs: str
 ) -> str:
     """Why the guard gave up on ``call`` (``reason``: "ladder", "attempts" or "time"), what it tried, the fix."""
     last = call.tried[-1][1]
     headline = {
         "ladder": "every plan on the ladder ran out of memory",
-        "attempts": f"the bound of {max_attempts} attempts was reached",
-        "time": f"the bound of {max_seconds} s of recovery was reached",
+        "attempts": f"the bound of {bounds.max_attempts} attempts was reached",
+        "time": f"the bound of {bounds.max_seconds} s of recovery was reached",
     }[reason]
     tried = "\n".join(
         f"  {i}. {plan.describe(call.size)}: {summary.describe()}" for i, (plan, summary) in enumerate(call.tried, 1)
@@ -121,14 +147,3 @@ def give_up_message(
         f"at the last failure, tried to allocate {format_bytes(last.requested_bytes)}; "
         f"{format_bytes(memory.allocated)} in use after freeing.\nWhat you can do: {fix}."
     )
-
-
-class _StopIfExhausted(tenacity.stop.stop_base):
-    """Stop once the ladder has nothing cheaper to offer, or the (agreed) time bound is reached."""
-
-    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
-        call: Call = retry_state.args[0]
-        return call.exhausted or call.time_up
-
-
-stop_if_exhausted = _StopIfExhausted()

@@ -1,24 +1,59 @@
-"""The plan: a small immutable description of how one training step is run.
+"""The plan: a small immutable description of how one training step is run, and the phases of a step.
 
-A plan says how the batch is split and which memory-saving techniques are engaged. Rungs turn a plan into a
-cheaper one; the effects module applies it to the model; nothing else changes it. Being frozen, a plan can be
-logged, compared, used as a dict key and stored on disk as it is.
+A plan says how the batch is split and which memory-saving rungs are engaged, and how far. Rungs turn a plan into
+a cheaper one; the effects apply it to the model; nothing else changes it. Being frozen, a plan can be logged,
+compared, used as a dict key and stored on disk as it is.
+
+Each field of a built-in rung says which rung owns it (its ``rung`` metadata) and how to describe it, so that
+:meth:`Plan.rungs` and :meth:`Plan.describe` follow the fields. A rung that is not built in keeps a level of its
+own in ``extras`` (0, absent, when not engaged).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Literal
 
-__all__ = ["RUNG_ORDER", "CheckpointingMode", "Plan", "Precision"]
+__all__ = ["ACTIVATION_PHASES", "BUILTIN_RUNGS", "EVERY_PHASE", "CheckpointingMode", "Phase", "Plan", "Precision"]
 
 Precision = Literal["bf16", "fp16"]
 CheckpointingMode = Literal["partial", "full"]
 
-#: The canonical order of rung names, cheapest effect on the training maths first.
-RUNG_ORDER = ("micro_batch", "amp", "checkpointing", "activation_offload", "layer_offload")
+
+class Phase(str, Enum):
+    """Where in a step an attempt is: what an out-of-memory error is attributed to, and what a rung relieves.
+
+    The values are the strings events and logs carry (``"forward"``...), and a phase compares equal to them.
+    """
+
+    APPLY = "apply"  # bringing the model to the plan (checkpointing, offloading layers)
+    SPLIT = "split"  # splitting the batch and counting each micro-batch's items
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    CLIP = "clip"
+    OPTIMIZER = "optimizer"  # the optimizer step, and the scheduler step with it
+    DONE = "done"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+#: The phases whose memory is activations: what splitting, mixed precision, checkpointing and offloading
+#: activations relieve.
+ACTIVATION_PHASES = frozenset({Phase.SPLIT, Phase.FORWARD, Phase.BACKWARD})
+EVERY_PHASE = frozenset(Phase)
+
+
+def _owned_by(rung: str, phrase: str) -> dict[str, str]:
+    """The metadata of a plan field owned by ``rung``; ``phrase`` describes an engaged value (``{}``: the value)."""
+    return {"rung": rung, "phrase": phrase}
 
 
 @dataclass(frozen=True)
@@ -35,6 +70,8 @@ class Plan:
         activation_offload: keep tensors saved for backward in host memory.
         offload_layers: how many repeated blocks keep their parameters, gradients and optimizer state in host
             memory, streamed to the device only while in use.
+        extras: the levels of rungs that are not built in, by rung name (see :class:`oomguard.Rung`); empty
+            unless such a rung is engaged.
 
     >>> Plan().micro_batches(8), Plan(micro_batch_size=3).micro_batches(8)
     (1, 3)
@@ -43,10 +80,13 @@ class Plan:
     """
 
     micro_batch_size: int | None = None
-    precision: Precision | None = None
-    checkpointing: CheckpointingMode | None = None
-    activation_offload: bool = False
-    offload_layers: int = 0
+    precision: Precision | None = field(default=None, metadata=_owned_by("amp", "{}"))
+    checkpointing: CheckpointingMode | None = field(
+        default=None, metadata=_owned_by("checkpointing", "{} checkpointing")
+    )
+    activation_offload: bool = field(default=False, metadata=_owned_by("activation_offload", "activations offloaded"))
+    offload_layers: int = field(default=0, metadata=_owned_by("layer_offload", "{} layer(s) offloaded"))
+    extras: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         size = self.micro_batch_size
@@ -58,6 +98,11 @@ class Plan:
             raise ValueError(f"Plan.checkpointing must be None, 'partial' or 'full', got {self.checkpointing!r}")
         if isinstance(self.offload_layers, bool) or not isinstance(self.offload_layers, int) or self.offload_layers < 0:
             raise ValueError(f"Plan.offload_layers must be an int >= 0, got {self.offload_layers!r}")
+        for name, level in self.extras:
+            if name in BUILTIN_RUNGS or isinstance(level, bool) or not isinstance(level, int) or level < 1:
+                raise ValueError(
+                    f"Plan.extras holds (name, level >= 1) pairs of rungs that are not built in, got {self.extras!r}"
+                )
 
     def effective_micro_batch_size(self, batch_size: int) -> int:
         """The micro-batch size this plan uses for a batch of ``batch_size`` samples."""
@@ -69,32 +114,43 @@ class Plan:
         """How many micro-batches a batch of ``batch_size`` samples is split into."""
         return max(1, math.ceil(batch_size / max(1, self.effective_micro_batch_size(batch_size))))
 
+    def level(self, rung: str) -> int:
+        """How far down the rung ``rung`` (not a built-in one) this plan is; 0 when it is not engaged."""
+        return dict(self.extras).get(rung, 0)
+
+    def with_level(self, rung: str, level: int) -> Plan:
+        """This plan with the rung ``rung`` (not a built-in one) at ``level`` (0 disengages it)."""
+        extras = dict(self.extras)
+        extras[rung] = level
+        return self.replace(extras=tuple((name, value) for name, value in extras.items() if value > 0))
+
     def rungs(self, batch_size: int) -> tuple[str, ...]:
         """Names of the rungs in effect for a batch of this size (``"micro_batch"`` only if it is split)."""
-        engaged = {
-            "micro_batch": self.micro_batches(batch_size) > 1,
-            "amp": self.precision is not None,
-            "checkpointing": self.checkpointing is not None,
-            "activation_offload": self.activation_offload,
-            "layer_offload": self.offload_layers > 0,
-        }
-        return tuple(name for name in RUNG_ORDER if engaged[name])
+        split = ("micro_batch",) if self.micro_batches(batch_size) > 1 else ()
+        engaged = (rung for rung, value in self._settings() if value)
+        return (*split, *engaged, *(name for name, _ in self.extras))
 
     def replace(self, **changes: Any) -> Plan:
         """A copy of this plan with some fields changed."""
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan as plain JSON-ready data."""
-        return dataclasses.asdict(self)
+        """The plan as plain JSON-ready data (``extras`` only where a rung that is not built in is engaged)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extras"}
+        if self.extras:
+            data["extras"] = dict(self.extras)
+        return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Plan:
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         """The inverse of :meth:`to_dict`; unknown keys are an error."""
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown plan field(s) {sorted(unknown)}")
-        return cls(**data)
+        values = dict(data)
+        if "extras" in values:
+            values["extras"] = tuple(dict(values["extras"]).items())
+        return cls(**values)
 
     def describe(self, batch_size: int | None = None) -> str:
         """A short human-readable form, e.g. ``"micro-batches of 4 (x2), bf16, full checkpointing"``."""
@@ -104,12 +160,15 @@ class Plan:
             parts = [f"micro-batches of {self.micro_batch_size}"]
         else:
             parts = [f"micro-batches of {self.micro_batch_size} (x{self.micro_batches(batch_size)})"]
-        if self.precision is not None:
-            parts.append(self.precision)
-        if self.checkpointing is not None:
-            parts.append(f"{self.checkpointing} checkpointing")
-        if self.activation_offload:
-            parts.append("activations offloaded")
-        if self.offload_layers:
-            parts.append(f"{self.offload_layers} layer(s) offloaded")
+        parts += [f.metadata["phrase"].format(getattr(self, f.name)) for f in _RUNG_FIELDS if getattr(self, f.name)]
+        parts += [name if level == 1 else f"{name} (level {level})" for name, level in self.extras]
         return ", ".join(parts)
+
+    def _settings(self) -> list[tuple[str, Any]]:
+        """(rung name, value) of each built-in rung but micro-batching, in the order of the fields."""
+        return [(f.metadata["rung"], getattr(self, f.name)) for f in _RUNG_FIELDS]
+
+
+_RUNG_FIELDS = tuple(f for f in dataclasses.fields(Plan) if "rung" in f.metadata)
+#: The built-in rungs, in the order of their fields: the canonical order, cheapest effect on the maths first.
+BUILTIN_RUNGS: tuple[str, ...] = ("micro_batch", *(f.metadata["rung"] for f in _RUNG_FIELDS))

@@ -1,39 +1,20 @@
-"""Rungs of the fallback ladder: each takes a plan and returns a cheaper one, or None when it has no more to give.
+"""Rungs of the fallback ladder: each one is a policy over one part of the plan.
 
-Rungs are pure: they only compute plans. What a plan does to torch state lives in :mod:`oomguard._effects.effects`.
-Each rung says which phases of a step it relieves (``relieves``): after an OOM in the optimizer step, halving
-the micro-batches would not help, so the ladder skips to the first rung that relieves the failing phase (and
-falls back to the first rung that can escalate at all when none does).
-Rungs accumulate: an engaged rung stays on while the next one is added. When a rung other than ``micro_batch``
-engages, the micro-batch size goes back to the whole batch, since the memory it frees may let larger
-micro-batches fit again; the ladder then halves it afresh, so the plan the guard settles on is the cheapest
-that fits, not merely the first.
+A rung knows which phases of a step it relieves, how far down it a plan is (its level: 0 when it is not
+engaged), how to make a plan cheaper (:meth:`Rung.escalate`) and how to give itself back one step
+(:meth:`Rung.relax`). Rungs are pure: they only compute plans. What a plan does to torch state is the business of
+the rung's effect (:mod:`oomguard._effects`); a rung that is not built in names its own (:meth:`Rung.effect`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, ClassVar
 
-import torch
+from oomguard._ladder.plan import ACTIVATION_PHASES, EVERY_PHASE, Phase, Plan, Precision
 
-from oomguard._errors import GuardConfigError
-from oomguard._ladder.plan import Plan, Precision
-
-__all__ = [
-    "DEFAULT_LADDER",
-    "ActivationOffload",
-    "Amp",
-    "Checkpointing",
-    "Ladder",
-    "LayerOffload",
-    "MicroBatch",
-    "Rung",
-    "RungContext",
-    "relax",
-    "resolve_ladder",
-]
+__all__ = ["ActivationOffload", "Amp", "Checkpointing", "LayerOffload", "MicroBatch", "Rung", "RungContext"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +27,7 @@ class RungContext:
     #: Whether the device runs bf16 autocast (CPU, CUDA Ampere and newer).
     bf16_supported: bool = True
     #: Where the last attempt ran out of memory: forward, backward, clip, optimizer, apply...
-    phase: str = "forward"
+    phase: Phase = Phase.FORWARD
     #: Whether host memory is distinct from device memory (offloading cannot help a CPU-only run).
     can_offload: bool = True
     #: Whether the user already checkpoints every block (the checkpointing rung has nothing to add).
@@ -57,32 +38,69 @@ class RungContext:
     amp_available: bool = True
 
 
-_ACTIVATIONS = frozenset({"split", "forward", "backward"})
-_EVERYWHERE = frozenset({"apply", "split", "forward", "backward", "clip", "optimizer"})
+class Rung:
+    """One step down the ladder. ``name`` appears in events, in ``StepResult.rungs`` and in the report.
 
+    Subclass it for a rung of your own: give it a ``name``, the phases it ``relieves`` and how deep it goes
+    (``max_level``), and return the class of its effect from :meth:`effect` (a subclass of
+    ``oomguard._effects.Effect``, called with the model's effect target). Its level lives in the plan's
+    ``extras``; each out-of-memory error that it answers takes it one level down, each relaxation one level up.
+    Built-in rungs keep their level in a plan field of their own instead.
 
-@runtime_checkable
-class Rung(Protocol):
-    """One step down the ladder. ``name`` appears in events and in ``StepResult.rungs``."""
+    >>> class Quiet(Rung):
+    ...     name = "quiet"
+    >>> plan = Quiet().escalate(Plan(), RungContext(batch_size=8))
+    >>> plan.rungs(8), Quiet().relax(plan, 8) == Plan()
+    (('quiet',), True)
+    """
 
-    @property
-    def name(self) -> str: ...
+    name: str
+    #: The phases of a step whose memory this rung reduces; after an OOM in another phase, the ladder prefers
+    #: rungs that relieve it.
+    relieves: frozenset[Phase] = EVERY_PHASE
+    #: How many levels down this rung goes (the default :meth:`escalate` stops there).
+    max_level: int = 1
+
+    def level(self, plan: Plan, batch_size: int) -> int:
+        """How far down this rung ``plan`` is: 0 when the rung is not engaged, deeper is larger."""
+        return plan.level(self.name)
+
+    def at_level(self, plan: Plan, level: int, batch_size: int) -> Plan:
+        """``plan`` with this rung at ``level`` (what every rank of a distributed job agrees on)."""
+        return plan.with_level(self.name, level)
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
         """A plan that needs less memory than ``plan``, or None if this rung has nothing more to give."""
-        ...
+        level = self.level(plan, context.batch_size)
+        return self.at_level(plan, level + 1, context.batch_size) if level < self.max_level else None
+
+    def relax(self, plan: Plan, batch_size: int) -> Plan | None:
+        """One step back up this rung: the plan before its last escalation; None when it is not engaged."""
+        level = self.level(plan, batch_size)
+        return self.at_level(plan, level - 1, batch_size) if level > 0 else None
+
+    def effect(self) -> Callable[[Any], Any] | None:
+        """The class (or factory) of this rung's effect on torch state, if it has one of its own."""
+        return None
 
 
 @dataclass(frozen=True)
-class MicroBatch:
+class MicroBatch(Rung):
     """Halve the micro-batch size: 2, 4, 8 ... micro-batches with exact gradient accumulation.
 
-    Stops at ``min_size`` samples per micro-batch (1 by default). An uneven last micro-batch is fine.
+    Stops at ``min_size`` samples per micro-batch (1 by default). An uneven last micro-batch is fine. Its level
+    is how many samples fewer than the batch a micro-batch holds.
     """
 
     min_size: int = 1
     name: str = "micro_batch"
-    relieves: frozenset[str] = _ACTIVATIONS
+    relieves: frozenset[Phase] = ACTIVATION_PHASES
+
+    def level(self, plan: Plan, batch_size: int) -> int:
+        return batch_size - plan.effective_micro_batch_size(batch_size)
+
+    def at_level(self, plan: Plan, level: int, batch_size: int) -> Plan:
+        return plan.replace(micro_batch_size=None if level <= 0 else batch_size - level)
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
         current = plan.effective_micro_batch_size(context.batch_size)
@@ -93,9 +111,38 @@ class MicroBatch:
             target = min(target, context.max_micro_batch)
         return plan.replace(micro_batch_size=max(self.min_size, target))
 
+    def relax(self, plan: Plan, batch_size: int) -> Plan | None:
+        """Micro-batches twice as large, up to the whole batch."""
+        current = plan.effective_micro_batch_size(batch_size)
+        if current >= batch_size:
+            return None
+        doubled = 2 * current
+        return plan.replace(micro_batch_size=None if doubled >= batch_size else doubled)
+
+    def smallest(self, plan: Plan, batch_size: int) -> Plan:
+        """``plan`` at the smallest micro-batch this rung allows: where halving ended before a deeper rung."""
+        return plan.replace(micro_batch_size=min(self.min_size, batch_size))
+
+    def floor(self, batch_size: int) -> int:
+        """The smallest micro-batch this rung allows for a batch of ``batch_size``."""
+        return min(self.min_size, batch_size)
+
+
+class _OneField(Rung):
+    """A rung whose part of the plan is one field that takes a few values, the shallowest (not engaged) first."""
+
+    _FIELD: ClassVar[str]
+    _LEVELS: ClassVar[tuple[Any, ...]]
+
+    def level(self, plan: Plan, batch_size: int) -> int:
+        return self._LEVELS.index(getattr(plan, self._FIELD))
+
+    def at_level(self, plan: Plan, level: int, batch_size: int) -> Plan:
+        return plan.replace(**{self._FIELD: self._LEVELS[level]})
+
 
 @dataclass(frozen=True)
-class Amp:
+class Amp(_OneField):
     """Mixed precision: bf16 autocast where the device supports it, else fp16 with a gradient scaler.
 
     ``dtype`` forces one of the two.
@@ -103,7 +150,10 @@ class Amp:
 
     dtype: Precision | None = None
     name: str = "amp"
-    relieves: frozenset[str] = _ACTIVATIONS
+    relieves: frozenset[Phase] = ACTIVATION_PHASES
+
+    _FIELD = "precision"
+    _LEVELS = (None, "bf16", "fp16")  # fp16 the deeper: where ranks disagree, the one every device runs
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
         if plan.precision is not None or not context.amp_available:
@@ -111,13 +161,19 @@ class Amp:
         dtype: Precision = self.dtype or ("bf16" if context.bf16_supported else "fp16")
         return plan.replace(precision=dtype)
 
+    def relax(self, plan: Plan, batch_size: int) -> Plan | None:
+        return plan.replace(precision=None) if plan.precision is not None else None
+
 
 @dataclass(frozen=True)
-class Checkpointing:
+class Checkpointing(_OneField):
     """Activation checkpointing of the repeated blocks: every other block first, then every block."""
 
     name: str = "checkpointing"
-    relieves: frozenset[str] = _ACTIVATIONS
+    relieves: frozenset[Phase] = ACTIVATION_PHASES
+
+    _FIELD = "checkpointing"
+    _LEVELS = (None, "partial", "full")
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
         if context.num_blocks == 0 or context.checkpointed or plan.checkpointing == "full":
@@ -128,11 +184,14 @@ class Checkpointing:
 
 
 @dataclass(frozen=True)
-class ActivationOffload:
+class ActivationOffload(_OneField):
     """Keep the tensors saved for backward in host memory, bringing them back for backward."""
 
     name: str = "activation_offload"
-    relieves: frozenset[str] = _ACTIVATIONS
+    relieves: frozenset[Phase] = ACTIVATION_PHASES
+
+    _FIELD = "activation_offload"
+    _LEVELS = (False, True)
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
         if plan.activation_offload or not context.can_offload:
@@ -141,119 +200,23 @@ class ActivationOffload:
 
 
 @dataclass(frozen=True)
-class LayerOffload:
+class LayerOffload(Rung):
     """Keep the parameters, gradients and optimizer state of 1, 2, 4 ... blocks (up to all) in host memory."""
 
     name: str = "layer_offload"
-    relieves: frozenset[str] = _EVERYWHERE
+    relieves: frozenset[Phase] = EVERY_PHASE
+
+    def level(self, plan: Plan, batch_size: int) -> int:
+        return plan.offload_layers
+
+    def at_level(self, plan: Plan, level: int, batch_size: int) -> Plan:
+        return plan.replace(offload_layers=level)
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
         if plan.offload_layers >= context.num_blocks or not context.can_offload:
             return None
         return plan.replace(offload_layers=min(context.num_blocks, max(1, 2 * plan.offload_layers)))
 
-
-_BUILTIN: dict[str, type[Rung]] = {
-    "micro_batch": MicroBatch,
-    "amp": Amp,
-    "checkpointing": Checkpointing,
-    "activation_offload": ActivationOffload,
-    "layer_offload": LayerOffload,
-}
-DEFAULT_LADDER: tuple[str, ...] = ("micro_batch", "amp", "checkpointing", "activation_offload", "layer_offload")
-
-
-class Ladder:
-    """An ordered sequence of rungs; :meth:`next` finds the first rung that can still give something."""
-
-    def __init__(self, rungs: Sequence[Rung]) -> None:
-        self.rungs = tuple(rungs)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(rung.name for rung in self.rungs)
-
-    def next(self, plan: Plan, context: RungContext) -> tuple[Rung, Plan] | None:
-        """The rung to engage after ``plan`` failed, and the plan it gives; None when the ladder is exhausted."""
-        options = []
-        for rung in self.rungs:
-            cheaper = rung.escalate(plan, context)
-            if cheaper is not None and cheaper != plan:
-                options.append((rung, cheaper))
-        relieving = [(r, p) for r, p in options if context.phase in getattr(r, "relieves", _EVERYWHERE)]
-        if not options:
-            return None
-        rung, cheaper = (relieving or options)[0]
-        if not isinstance(rung, MicroBatch) and "micro_batch" in self.names:
-            cheaper = cheaper.replace(micro_batch_size=None)  # a deeper rung may let larger micro-batches fit
-        return rung, cheaper
-
-
-def relax(plan: Plan, batch_size: int, min_micro_batch: int = 1) -> Plan | None:
-    """One step back up the ladder: the plan tried just before ``plan``; None for the plan of a whole batch.
-
-    The reverse of escalation: first the micro-batches grow back (doubling) to the whole batch; then the
-    deepest engaged rung is undone (fewer offloaded layers, then activation offload, then checkpointing, then
-    amp), at the smallest micro-batch, as the ladder had it before that rung engaged.
-
-    >>> relax(Plan(micro_batch_size=2), 8), relax(Plan(micro_batch_size=4), 8)
-    (Plan(micro_batch_size=4, ...), Plan(micro_batch_size=None, ...))
-    >>> relax(Plan(precision="bf16"), 8)
-    Plan(micro_batch_size=1, precision=None, ...)
-    """
-    current = plan.effective_micro_batch_size(batch_size)
-    if current < batch_size:
-        doubled = 2 * current
-        return plan.replace(micro_batch_size=None if doubled >= batch_size else doubled)
-    smallest = min(min_micro_batch, batch_size)
-    if plan.offload_layers:
-        return plan.replace(offload_layers=plan.offload_layers // 2, micro_batch_size=smallest)
-    if plan.activation_offload:
-        return plan.replace(activation_offload=False, micro_batch_size=smallest)
-    if plan.checkpointing is not None:
-        return plan.replace(
-            checkpointing="partial" if plan.checkpointing == "full" else None, micro_batch_size=smallest
-        )
-    if plan.precision is not None:
-        return plan.replace(precision=None, micro_batch_size=smallest)
-    return None
-
-
-def resolve_ladder(spec: Iterable[str | Rung] | None) -> Ladder:
-    """Build a ladder from rung names and rung objects; ``None`` gives the default order.
-
-    >>> resolve_ladder(None).names
-    ('micro_batch', 'amp', 'checkpointing', 'activation_offload', 'layer_offload')
-    """
-    if spec is None:
-        spec = DEFAULT_LADDER
-    if isinstance(spec, str):
-        raise GuardConfigError(f"ladder= takes a list of rung names, not a string: write ladder=[{spec!r}]")
-    rungs: list[Rung] = []
-    for item in spec:
-        if isinstance(item, str):
-            factory = _BUILTIN.get(item)
-            if factory is None:
-                raise GuardConfigError(
-                    f"unknown rung {item!r} in ladder=; the rungs are: {', '.join(DEFAULT_LADDER)} "
-                    f"(or pass an object with a name and an escalate(plan, context) method)"
-                )
-            rungs.append(factory())
-        elif isinstance(item, Rung):
-            rungs.append(item)
-        else:
-            raise GuardConfigError(
-                f"ladder= entries must be rung names or rung objects, got {type(item).__name__}: {item!r}"
-            )
-    names = [rung.name for rung in rungs]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
-    if duplicates:
-        raise GuardConfigError(f"ladder= names the rung(s) {duplicates} more than once; list each rung once")
-    return Ladder(rungs)
-
-
-def bf16_supported(device: torch.device) -> bool:
-    """Whether bf16 autocast runs natively on ``device`` (CPU: yes; CUDA: compute capability 8.0+)."""
-    if device.type == "cuda":
-        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-    return True
+    def relax(self, plan: Plan, batch_size: int) -> Plan | None:
+        """Half as many blocks offloaded (4 -> 2 -> 1 -> 0), as escalation doubled them."""
+        return plan.replace(offload_layers=plan.offload_layers // 2) if plan.offload_layers else None

@@ -12,8 +12,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard._backends.units import parse_bytes
 from oomguard._ladder.rungs import Rung
-from oomguard._planner.engine import PlanReport, Target, dry_run
+from oomguard._planner.engine import dry_run
 from oomguard._planner.presets import load_config
+from oomguard._planner.report import PlanReport, Target
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

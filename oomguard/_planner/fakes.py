@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -21,8 +21,9 @@ from torch.utils._pytree import tree_map
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._backends.units import format_bytes
-from oomguard._ladder.rungs import Rung
-from oomguard._planner.engine import CUDA_CONTEXT_BYTES, PlanReport, Target, dry_run
+from oomguard._options import GuardOptions
+from oomguard._planner.engine import dry_run
+from oomguard._planner.report import CUDA_CONTEXT_BYTES, PlanReport, Target
 
 __all__ = ["preplan"]
 
@@ -32,19 +33,17 @@ logger = logging.getLogger("oomguard")
 def preplan(
     step_fn: Callable[[Any], Any],
     batch: Any,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    options: GuardOptions,
     backend: MemoryBackend,
-    ladder: Iterable[str | Rung] | None,
-    max_grad_norm: float | None,
+    *,
     bf16: bool,
     distributed: bool = False,
 ) -> PlanReport | None:
-    """The planner's answer for this step on this device, or None (logged) where it cannot tell."""
-    if distributed:  # the planner's own guard would join the process group's collectives
+    """The planner's answer for a guard's step on this device, or None (logged) where it cannot tell."""
+    if distributed:  # the planner's steps would not take part in the process group's agreements
         logger.info("preplan: not supported under torch.distributed yet; starting from the plain plan")
         return None
+    model, optimizer = options.model, options.optimizer
     total = backend.total_memory()
     device = next(model.parameters()).device
     if total is None or not (backend.tracks_allocations or device.type == "cuda"):
@@ -54,7 +53,12 @@ def preplan(
     resident = _resident_bytes(backend, model, optimizer)
     capacity = _limit(total, device, target) - (backend.memory_allocated() - resident)
     try:
-        report = _dry_run(step_fn, batch, model, optimizer, capacity, target, ladder, max_grad_norm, bf16, device)
+        with _faked(model, optimizer, batch, cuda=device.type == "cuda") as (fake_optimizer, fake_batch):
+            report = dry_run(
+                step_fn, fake_batch, model=model, optimizer=fake_optimizer, capacity=capacity, target=target,
+                label=type(model).__name__, ladder=options.rungs.rungs, max_grad_norm=options.max_grad_norm,
+                bf16=bf16,
+            )  # fmt: skip
     except Exception as error:  # a step the planner cannot run on fake tensors (one that reads values, say)
         logger.warning(
             "preplan: the dry run of this step failed (%s: %s); starting from the plain plan. Steps that read "
@@ -92,19 +96,14 @@ def _resident_bytes(backend: MemoryBackend, model: torch.nn.Module, optimizer: t
     return sum(int(s.nbytes()) for s in storages.values())
 
 
-def _dry_run(
-    step_fn: Callable[[Any], Any],
-    batch: Any,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    capacity: int,
-    target: Target,
-    ladder: Iterable[str | Rung] | None,
-    max_grad_norm: float | None,
-    bf16: bool,
-    device: torch.device,
-) -> PlanReport:
-    # The simulator's accounting (if any) must not see the fakes: leave every dispatch mode while planning.
+@contextlib.contextmanager
+def _faked(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, cuda: bool
+) -> Iterator[tuple[torch.optim.Optimizer, Any]]:
+    """Inside a ``FakeTensorMode``: ``model`` with fake parameters and buffers, an optimizer and a batch over fakes.
+
+    The simulator's accounting (if any) must not see the fakes: every dispatch mode is left while planning.
+    """
     with _disable_current_modes(), FakeTensorMode():
         fakes: dict[int, torch.Tensor] = {}
 
@@ -117,12 +116,8 @@ def _dry_run(
             return fakes[id(tensor)]
 
         with _swapped(model, fake):
-            fake_optimizer = _rebuilt(optimizer, fake, cuda=device.type == "cuda")
             fake_batch = tree_map(lambda leaf: fake(leaf) if isinstance(leaf, torch.Tensor) else leaf, batch)
-            return dry_run(
-                step_fn, fake_batch, model=model, optimizer=fake_optimizer, capacity=capacity, target=target,
-                label=type(model).__name__, ladder=ladder, max_grad_norm=max_grad_norm, bf16=bf16,
-            )  # fmt: skip
+            yield _rebuilt(optimizer, fake, cuda=cuda), fake_batch
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import torch
 
 from oomguard._errors import BatchSplitError
 
-__all__ = ["batch_size", "count_items", "default_item_counter", "split_batch"]
+__all__ = ["batch_bucket", "batch_size", "count_items", "default_item_counter", "items_per_sample", "split_batch"]
 
 B = TypeVar("B")
 
@@ -162,3 +162,25 @@ def count_items(parts: Sequence[Any], counter: Callable[[Any], float]) -> list[f
             )
         counts.append(value)
     return counts
+
+
+def _largest_numel(batch: Any) -> int:
+    return max((tensor.numel() for _, tensor in _leaves(batch)), default=0)
+
+
+def batch_bucket(batch: Any) -> int:
+    """The bucket of a batch: its largest tensor's element count rounded up to a power of two.
+
+    Batches of one bucket share a plan: a rare long batch escalates only its own.
+
+    >>> batch_bucket({"input_ids": torch.zeros(16, 256)}), batch_bucket({"input_ids": torch.zeros(16, 300)})
+    (4096, 8192)
+    """
+    numel = _largest_numel(batch)
+    return 1 << max(0, numel - 1).bit_length()
+
+
+def items_per_sample(batch: Any, size: int) -> float:
+    """Elements of the largest tensor per sample (tokens per sequence for a language model): what a
+    micro-batch's activations scale with."""
+    return _largest_numel(batch) / max(1, size)

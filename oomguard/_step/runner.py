@@ -20,7 +20,7 @@ from oomguard._distributed.peers import Outcome, peer_failure
 from oomguard._effects.effects import Effects
 from oomguard._effects.transaction import OptimizerTransaction, Scheduler
 from oomguard._errors import LossError, OOMGuardError
-from oomguard._ladder.plan import Plan
+from oomguard._ladder.plan import Phase, Plan
 from oomguard._step.batch import count_items, split_batch
 
 __all__ = ["AttemptOutput", "StepRunner", "loss_of"]
@@ -77,6 +77,18 @@ class AttemptOutput:
     peak: int  # the attempt's peak device memory
 
 
+@dataclass(frozen=True)
+class _Job:
+    """One attempt's batch and how to run it."""
+
+    batch: Any
+    size: int
+    plan: Plan
+    backend: MemoryBackend
+    scaler: torch.amp.GradScaler | None  # fp16 only
+    reduction: Reduction
+
+
 class StepRunner:
     """Runs one training step for a batch on a plan. ``phase`` and ``micro_batch`` say where it is."""
 
@@ -95,7 +107,6 @@ class StepRunner:
         agreement: Agreement | None = None,
         ddp: torch.nn.parallel.DistributedDataParallel | None = None,
         accelerator: Any = None,
-        steps: bool = True,
     ) -> None:
         self.step_fn = step_fn
         self.model = model
@@ -109,10 +120,11 @@ class StepRunner:
         self.agreement = agreement
         self.ddp = ddp
         self.accelerator = accelerator  # Hugging Face Accelerate: its backward (loss scaling) and clipping
-        self.steps = steps  # False: forward and backward only, the caller steps (the Trainer integration)
         self.verdict: Verdict | None = None  # what the ranks agreed after this attempt's backward
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.phase = "forward"
+        #: Bytes of the gradients of every trainable parameter: the part of a step's peak that micro-batching keeps.
+        self.grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self.phase = Phase.FORWARD
         self.micro_batch = 0
         self.base = 0
 
@@ -120,13 +132,13 @@ class StepRunner:
         """Drop every gradient (set to None, so their memory is freed)."""
         self.model.zero_grad(set_to_none=True)
 
-    def _parts(self, batch: Any, size: int, plan: Plan) -> tuple[list[Any], list[float]]:
+    def _parts(self, job: _Job) -> tuple[list[Any], list[float]]:
         """The micro-batches and the weight of each one's loss in the batch's loss."""
-        micro = plan.effective_micro_batch_size(size)
+        size, micro = job.size, job.plan.effective_micro_batch_size(job.size)
         if micro >= size:
-            return [batch], [1.0]
-        parts = split_batch(batch, micro)
-        if self.reduction == "sum":
+            return [job.batch], [1.0]
+        parts = split_batch(job.batch, micro)
+        if job.reduction == "sum":
             return parts, [1.0] * len(parts)
         counts = count_items(parts, self.item_counter)
         total = sum(counts)
@@ -135,14 +147,24 @@ class StepRunner:
             total = float(size)
         return parts, [count / total for count in counts]
 
-    def run(self, batch: Any, size: int, plan: Plan, backend: MemoryBackend) -> AttemptOutput:
+    def run(
+        self,
+        batch: Any,
+        size: int,
+        plan: Plan,
+        backend: MemoryBackend,
+        *,
+        step: bool = True,
+        reduction: Reduction | None = None,
+    ) -> AttemptOutput:
         """Forward/backward each micro-batch, then clip, step and schedule: exactly one optimizer step.
 
-        On any exception the gradients are dropped and the optimizer step (if reached) is undone. Under
-        distributed training every rank reaches the same agreements whatever failed where (see
-        :mod:`oomguard._distributed.agreement`): a rank whose peer failed raises too.
+        ``step=False`` stops after backward and leaves the gradients to the caller (the Trainer steps itself).
+        ``reduction`` overrides the runner's for this batch. On any exception the gradients are dropped and the
+        optimizer step (if reached) is undone. Under distributed training every rank reaches the same agreements
+        whatever failed where (see :mod:`oomguard._distributed.agreement`): a rank whose peer failed raises too.
         """
-        self.phase, self.micro_batch = "apply", 0
+        self.phase, self.micro_batch = Phase.APPLY, 0
         self.verdict = None
         self.zero_grad()
         backend.reset_peak_memory_stats()  # so the peak read at the end is this attempt's
@@ -150,40 +172,41 @@ class StepRunner:
         scaler = self.effects.scaler(plan)  # fp16 only; a fresh one per attempt, from the last committed state
         done = False
         try:
-            micro_batches, total = self._accumulate(batch, size, plan, backend, scaler)
-            if not self.steps:  # the gradients are the caller's now
-                done = True
-                micro = plan.effective_micro_batch_size(size)
-                loss_value = _value(total)
-                return AttemptOutput(loss_value, None, micro_batches, micro, self.base, backend.max_memory_allocated())
-            grad_norm = self._clip(scaler)
-            self.phase = "optimizer"
-            agree = self.agreement.after_step if self.agreement is not None else None
-            allow_fast = self.verdict is None or not self.verdict.journal
-            self.transaction.step(backend, self.scheduler, scaler, agree=agree, allow_fast=allow_fast)
-            self.effects.commit_scaler(scaler)
-            if self.agreement is not None and self.ddp is not None:
-                self.agreement.broadcast_buffers(self.ddp)
-            self.phase = "done"
-            loss_value = _value(total)
-            self.zero_grad()
+            micro_batches, total = self._accumulate(
+                _Job(batch, size, plan, backend, scaler, reduction or self.reduction)
+            )
+            grad_norm = self._clip_and_step(backend, scaler) if step else None
             done = True
             micro = plan.effective_micro_batch_size(size)
-            return AttemptOutput(loss_value, grad_norm, micro_batches, micro, self.base, backend.max_memory_allocated())
+            return AttemptOutput(
+                _value(total), grad_norm, micro_batches, micro, self.base, backend.max_memory_allocated()
+            )
         finally:
             if not done:
                 self.effects.reset()
                 self.zero_grad()
 
-    def _accumulate(
-        self, batch: Any, size: int, plan: Plan, backend: MemoryBackend, scaler: torch.amp.GradScaler | None
-    ) -> tuple[int, torch.Tensor | None]:
+    def _clip_and_step(self, backend: MemoryBackend, scaler: torch.amp.GradScaler | None) -> float | None:
+        """Clip, then the optimizer and scheduler steps as one transaction; the gradients are dropped after."""
+        grad_norm = self._clip(scaler)
+        self.phase = Phase.OPTIMIZER
+        agree = self.agreement.after_step if self.agreement is not None else None
+        allow_fast = self.verdict is None or not self.verdict.journal
+        self.transaction.step(backend, self.scheduler, scaler, agree=agree, allow_fast=allow_fast)
+        self.effects.commit_scaler(scaler)
+        if self.agreement is not None and self.ddp is not None:
+            self.agreement.broadcast_buffers(self.ddp)
+        self.phase = Phase.DONE
+        self.zero_grad()
+        return grad_norm
+
+    def _accumulate(self, job: _Job) -> tuple[int, torch.Tensor | None]:
         """Apply the plan, then forward and backward every micro-batch; agree with the other ranks."""
         failure: Exception | None = None
         micro_batches, total = 0, None
         try:
             with quiet_ddp(self.ddp):
-                micro_batches, total = self._forward_backward(batch, size, plan, backend, scaler)
+                micro_batches, total = self._forward_backward(job)
             self.effects.after_backward()
         except Exception as exc:
             if self.agreement is None:
@@ -191,7 +214,7 @@ class StepRunner:
             failure = exc  # re-raised below, once the other ranks know
         if self.agreement is not None:
             outcome: Outcome = "ok" if failure is None else ("oom" if _is_retryable(failure) else "fatal")
-            journal = failure is not None or not self.transaction.can_skip_journal(backend)
+            journal = failure is not None or not self.transaction.can_skip_journal(job.backend)
             self.verdict = self.agreement.after_backward(outcome, self.phase, journal)
             if self.verdict.outcome != "ok":
                 error = failure if failure is not None else peer_failure(self.verdict.outcome, self.verdict.phase)
@@ -206,25 +229,24 @@ class StepRunner:
                 self.agreement.average_gradients(self._params)
         return micro_batches, total
 
-    def _forward_backward(
-        self, batch: Any, size: int, plan: Plan, backend: MemoryBackend, scaler: torch.amp.GradScaler | None
-    ) -> tuple[int, torch.Tensor | None]:
+    def _forward_backward(self, job: _Job) -> tuple[int, torch.Tensor | None]:
+        plan, backend, scaler = job.plan, job.backend, job.scaler
         if self.effects.apply(plan, backend):
             self.transaction.invalidate()  # the step's memory profile changed with the plan
             # Offload moved memory to the host (or restoring brought it back): the attempt's base and peak are
             # measured from here, so the peak model learns what the plan costs, not what applying it freed.
             backend.reset_peak_memory_stats()
             self.base = backend.memory_allocated()
-        self.phase = "split"
-        parts, weights = self._parts(batch, size, plan)
+        self.phase = Phase.SPLIT
+        parts, weights = self._parts(job)
         total: torch.Tensor | None = None
         for index, (part, weight) in enumerate(zip(parts, weights, strict=True)):
             if weight == 0.0:  # no counted item: it contributes exactly nothing (and its mean is NaN)
                 continue
-            self.phase, self.micro_batch = "forward", index
+            self.phase, self.micro_batch = Phase.FORWARD, index
             with self.effects.forward(plan, backend):
                 loss = loss_of(self.step_fn(part))
-            self.phase = "backward"
+            self.phase = Phase.BACKWARD
             weighted = loss if weight == 1.0 else loss * weight
             self._backward(scaler.scale(weighted) if scaler is not None else weighted)
             contribution = loss.detach().float() * weight
@@ -242,7 +264,7 @@ class StepRunner:
         """Clip the whole batch's gradient norm; a failure here is agreed like a failed optimizer step."""
         if self.max_grad_norm is None:
             return None
-        self.phase = "clip"
+        self.phase = Phase.CLIP
         try:
             if scaler is not None:
                 scaler.unscale_(self.optimizer)

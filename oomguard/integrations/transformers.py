@@ -30,8 +30,13 @@ from transformers import Trainer
 
 from oomguard._errors import GuardConfigError
 from oomguard._guard.guard import OOMGuard
+from oomguard._step.runner import Reduction
 
 __all__ = ["OOMGuardTrainer"]
+
+# The Trainer's own parts of a step: its model, optimizer and scheduler, its clipping, its loss reduction, and its
+# Accelerator (which runs backward and mixed precision).
+_TRAINER_OWNS = frozenset({"model", "optimizer", "scheduler", "max_grad_norm", "reduction", "accelerator"})
 
 
 class OOMGuardTrainer(Trainer):  # type: ignore[misc]
@@ -52,15 +57,14 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
                 f"set per_device_train_batch_size to the effective batch and oomguard splits it into "
                 f"micro-batches itself, with exact accumulation, only when memory requires it"
             )
-        reserved = {"model", "optimizer", "scheduler", "max_grad_norm", "reduction", "accelerator"} & set(
-            oomguard or {}
-        )
+        reserved = sorted(_TRAINER_OWNS & set(oomguard or {}))
         if reserved:
-            raise GuardConfigError(f"OOMGuardTrainer sets {sorted(reserved)} itself; remove them from oomguard=")
+            raise GuardConfigError(f"OOMGuardTrainer sets {reserved} itself; remove them from oomguard=")
         self._oomguard_options = dict(oomguard or {})
         self._guard: OOMGuard | None = None
         self._inputs: Any = None
         self._items: Any = None
+        self._reduction: Reduction = "mean"
 
     @property
     def oomguard(self) -> OOMGuard:
@@ -78,8 +82,7 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
             return loss
 
         inner: Any = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside Accelerate's
-        guard = OOMGuard(forward, model=model, optimizer=inner, accelerator=self.accelerator, _steps=False,
-                         **self._oomguard_options)  # fmt: skip
+        guard = OOMGuard(forward, model=model, optimizer=inner, accelerator=self.accelerator, **self._oomguard_options)
         accelerated_step = self.optimizer.step
 
         def step(optimizer: Any, *args: Any, **kwargs: Any) -> None:
@@ -92,8 +95,7 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
 
     def _replay(self) -> None:
         """Recompute the last batch's gradients (on the guard's new plan) and clip them as the Trainer did."""
-        assert self._guard is not None
-        self._guard(self._inputs)
+        self.oomguard.accumulate(self._inputs, self._reduction)
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             self._clip_grad_norm(self.model_wrapped)
 
@@ -108,7 +110,7 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
         if self._guard is None:
             self._guard = self._build_guard(model)
         scaled_by_model = bool(self.model_accepts_loss_kwargs and num_items_in_batch is not None)
-        self._guard._runner.reduction = "sum" if scaled_by_model or self.compute_loss_func else "mean"
+        self._reduction = "sum" if scaled_by_model or self.compute_loss_func else "mean"
         self._inputs, self._items = inputs, num_items_in_batch
-        result = self._guard(inputs)
+        result = self._guard.accumulate(inputs, self._reduction)
         return torch.tensor(result.loss, device=self.args.device)

@@ -6,6 +6,7 @@ What it counts, and what it cannot see, is told there.
 from __future__ import annotations
 
 from oomguard._backends.accounting import AccountedDevice
+
 __all__ = ["SimulatedGPU"]
 
 

@@ -1,20 +1,15 @@
-"""Offloading to host memory: saved activations, and whole blocks' parameters, gradients and optimizer state.
-
-Both go through the memory backend's copy primitives only (``to_host``, ``to_device``), so the same code runs on
-CUDA (pinned host memory, non-blocking copies) and on :class:`~oomguard.testing.SimulatedGPU` (where a host
-copy leaves the accounting and a device copy enters it).
+"""The layer-offload rung's effect: whole blocks' parameters, gradients and optimizer state in host memory.
 
 Layer offload streams a block's parameters the way FSDP does: each parameter keeps one device tensor whose
 *storage* is resized to zero when the block is not in use and refilled from the host copy just before use. The
 autograd graph keeps views of that storage (a linear layer saves ``weight.t()``), so swapping ``p.data`` alone
 would free nothing; emptying the storage frees it while those views stay valid for the refill before backward.
+Copies go through the memory backend's primitives only, so the same code runs on CUDA and on the simulated device.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,29 +17,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from oomguard._backends.memory import MemoryBackend
+from oomguard._effects.base import Effect, EffectTarget, Packer
+from oomguard._errors import GuardConfigError
+from oomguard._ladder.plan import Plan
 
-__all__ = ["ActivationOffloader", "LayerOffloader", "saved_tensor_hooks"]
-
-
-class _HostCopy:
-    """One offloaded storage: its host bytes, and the device copy made for backward while it is in use."""
-
-    __slots__ = ("__weakref__", "device", "host")
-
-    def __init__(self, host: torch.Tensor) -> None:
-        self.host = host
-        self.device: weakref.ref[torch.Tensor] | None = None
-
-
-@dataclass(frozen=True)
-class _Packed:
-    """A saved tensor as a view into an offloaded storage."""
-
-    copy: _HostCopy
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
+__all__ = ["LayerOffloadEffect", "LayerOffloader"]
 
 
 @dataclass(frozen=True)
@@ -62,67 +39,6 @@ class _Recast:
     def make(self) -> torch.Tensor:
         copy = self.param.detach().to(device=self.device, dtype=self.dtype)
         return copy.as_strided(self.size, self.stride, self.offset)
-
-
-def _whole_storage(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The whole storage under ``tensor`` as a flat view of its dtype (nothing is copied); None if it does not
-    divide into elements of that dtype. A view, not ``set_``: fake tensors (the planner's) would keep a storage
-    given to ``set_`` alive for good."""
-    nbytes, itemsize = tensor.untyped_storage().nbytes(), tensor.element_size()
-    if nbytes % itemsize:
-        return None
-    return tensor.detach().as_strided((nbytes // itemsize,), (1,), 0)
-
-
-class ActivationOffloader:
-    """Saved-tensor hooks that keep activations saved for backward in host memory.
-
-    Each storage is copied once however many saved views share it, and brought back once per backward however
-    many times it is unpacked. Leaves (parameters, inputs) stay where they are. Every other saved tensor is
-    offloaded, however small: a pack hook that hands back a tensor an op saved of its *own output* makes a
-    reference cycle through autograd's C++ graph (node -> saved tensor -> grad_fn -> node) that only backward
-    breaks, so after a forward that fails it would never be freed.
-    """
-
-    def __init__(self, backend: MemoryBackend, keep: Callable[[torch.UntypedStorage], bool]) -> None:
-        self.backend = backend
-        self.keep = keep  # storages that must stay on the device (parameters)
-        self._copies: dict[int, tuple[weakref.ref[torch.UntypedStorage], _HostCopy]] = {}
-
-    def pack(self, tensor: torch.Tensor) -> Any:
-        """A saved tensor, or a handle on its host copy."""
-        if tensor.grad_fn is None or not self.backend.is_device(tensor) or tensor.layout != torch.strided:
-            return tensor
-        storage = tensor.untyped_storage()
-        if self.keep(storage):
-            return tensor
-        known = self._copies.get(id(storage))
-        if known is None or known[0]() is not storage:
-            whole = _whole_storage(tensor)
-            if whole is None:
-                return tensor
-            copy = _HostCopy(self.backend.to_host(whole))
-            known = (weakref.ref(storage), copy)
-            self._copies[id(storage)] = known
-        return _Packed(
-            known[1], tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), int(tensor.storage_offset())
-        )
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        """What :meth:`pack` saved, back on the device."""
-        if not isinstance(packed, _Packed):
-            return packed  # type: ignore[no-any-return]
-        copy = packed.copy
-        device = copy.device() if copy.device is not None else None
-        if device is None:
-            device = self.backend.to_device(copy.host)
-            copy.device = weakref.ref(device)
-        flat = device if device.dtype == packed.dtype else device.view(packed.dtype)  # another view's dtype
-        return flat.as_strided(packed.size, packed.stride, packed.offset)
-
-    def forget(self) -> None:
-        """Drop the index of host copies once a forward is over (the packed handles hold what backward needs)."""
-        self._copies.clear()
 
 
 @dataclass(eq=False)
@@ -349,31 +265,77 @@ class LayerOffloader:
             self.restore_last()
 
 
-@contextmanager
-def saved_tensor_hooks(layers: LayerOffloader | None, activations: ActivationOffloader | None) -> Iterator[None]:
-    """The saved-tensor hooks of one forward: copies of streamed weights are made again in backward, and with
-    activation offload every other activation saved for backward goes to the host. One pair of hooks for both,
-    since only the innermost pair applies."""
+class _Recasts:
+    """The saved-tensor hook share of layer offload: copies of streamed weights are made again in backward."""
 
-    def pack(tensor: torch.Tensor) -> Any:
-        recast = layers.recast_of(tensor) if layers is not None else None
-        if recast is not None:
-            return recast
-        if activations is not None:
-            return activations.pack(tensor)
-        # Detached: a tensor an op saved of its own output, handed back with its grad_fn, would make a cycle
-        # through autograd's graph that only backward breaks (see ActivationOffloader). Unpacked, autograd gives
-        # it back its history.
-        return tensor.detach() if tensor.grad_fn is not None else tensor
+    def __init__(self, layers: LayerOffloader) -> None:
+        self.layers = layers
 
-    def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, _Recast):
-            return packed.make()
-        return activations.unpack(packed) if activations is not None else packed
+    def pack(self, tensor: torch.Tensor) -> _Recast | None:
+        return self.layers.recast_of(tensor)
 
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
-    finally:
-        if activations is not None:
-            activations.forget()
+    def unpack(self, packed: _Recast) -> torch.Tensor:
+        return packed.make()
+
+    def finish(self) -> None:
+        return None
+
+
+class LayerOffloadEffect(Effect):
+    """Offloads as many of the model's blocks as the plan says, one at a time, and streams them in for use."""
+
+    def __init__(self, target: EffectTarget) -> None:
+        super().__init__(target)
+        self._layers: LayerOffloader | None = None
+
+    @property
+    def offloaded(self) -> int:
+        """How many blocks are offloaded now."""
+        return len(self._layers.blocks) if self._layers is not None else 0
+
+    def check(self, plan: Plan) -> None:
+        blocks = len(self.target.blocks)
+        if plan.offload_layers > blocks:
+            raise GuardConfigError(
+                f"the plan offloads {plan.offload_layers} layer(s) but {type(self.target.model).__name__} has "
+                f"{blocks} repeated block(s), the unit layer offload moves (an nn.ModuleList of same-typed "
+                f"layers); assign a Plan with offload_layers <= {blocks}"
+            )
+
+    def apply(self, plan: Plan, backend: MemoryBackend) -> bool:
+        if self._layers is None and plan.offload_layers:
+            self._layers = LayerOffloader(self.target.optimizer, backend)
+        layers = self._layers
+        if layers is None or plan.offload_layers == len(layers.blocks):
+            return False
+        try:
+            # One block at a time: offloading more only moves memory to the host; restoring is all-or-nothing
+            # per block, so an OOM part-way leaves a consistent (if deeper) configuration to retry from.
+            while len(layers.blocks) < plan.offload_layers:
+                layers.add(self.target.blocks[len(layers.blocks)])
+            while len(layers.blocks) > plan.offload_layers:
+                layers.restore_last()
+        finally:
+            self.target.streamed = layers.device_storages()
+        return True
+
+    def packer(self, plan: Plan, backend: MemoryBackend) -> Packer | None:
+        return _Recasts(self._layers) if self._layers is not None and self._layers.blocks else None
+
+    def after_backward(self) -> None:
+        """Hand offloaded blocks' host gradients to their parameters before clipping and the step."""
+        if self._layers is not None:
+            self._layers.attach_grads()
+
+    def reset(self) -> None:
+        if self._layers is not None:
+            self._layers.reset()
+
+    def close(self) -> None:
+        if self._layers is None:
+            return
+        try:
+            self._layers.close()
+            self._layers = None
+        finally:
+            self.target.streamed = self._layers.device_storages() if self._layers is not None else set()

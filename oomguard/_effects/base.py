@@ -1,0 +1,86 @@
+"""What an effect is: one rung's change to torch state, applied from a plan and undone exactly.
+
+A rung (:mod:`oomguard._ladder`) only computes plans; its effect makes the model run the plan. Persistent
+changes (checkpointing, offloaded layers) are made by :meth:`Effect.apply` when the plan changes and stay until
+it changes again or :meth:`Effect.close`; per-forward ones (autocast, saved-tensor hooks) are contexts around
+each micro-batch's forward. :class:`oomguard._effects.effects.Effects` runs every effect of a guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from oomguard._backends.memory import MemoryBackend
+from oomguard._ladder.plan import Plan
+
+__all__ = ["Effect", "EffectTarget", "Packer"]
+
+
+@dataclass(eq=False)
+class EffectTarget:
+    """What the effects of one guard change, and what they tell each other."""
+
+    #: The module being trained (inside DDP, never the wrapper).
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    #: Its repeated blocks (decoder layers): what checkpointing and layer offload work on.
+    blocks: list[torch.nn.Module]
+    #: Identities of the device storages of streamed (offloaded) weights, kept by the layer-offload effect:
+    #: autocast must not cache copies of them, and activation offload must leave them on the device.
+    streamed: set[int] = field(default_factory=set)
+
+    @property
+    def device_type(self) -> str:
+        return next(self.model.parameters()).device.type
+
+
+class Packer(Protocol):
+    """One effect's share of the saved-tensor hooks of a forward (only one pair of hooks can be active)."""
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """What to keep for ``tensor`` until backward, or None to leave it to the next packer."""
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """The tensor again, from what :meth:`pack` kept."""
+
+    def finish(self) -> None:
+        """The forward is over."""
+
+
+class Effect:
+    """One rung's effect. Every method does nothing by default; an effect overrides what it needs.
+
+    Subclass it for a custom rung (see :class:`oomguard.Rung`): the rung's ``effect()`` returns the subclass,
+    which is made with the guard's :class:`EffectTarget`.
+    """
+
+    def __init__(self, target: EffectTarget) -> None:
+        self.target = target
+
+    def check(self, plan: Plan) -> None:
+        """Raise :class:`~oomguard.GuardConfigError` if ``plan`` cannot be applied, before any effect changes."""
+
+    def apply(self, plan: Plan, backend: MemoryBackend) -> bool:
+        """Bring persistent state to what ``plan`` asks for; True if anything changed."""
+        return False
+
+    def forward(self, plan: Plan) -> contextlib.AbstractContextManager[None] | None:
+        """A context around one micro-batch's forward, if ``plan`` needs one from this effect."""
+        return None
+
+    def packer(self, plan: Plan, backend: MemoryBackend) -> Packer | None:
+        """This effect's saved-tensor hooks for one forward, if ``plan`` needs them."""
+        return None
+
+    def after_backward(self) -> None:
+        """The last micro-batch's backward is done: hand over what clipping and the optimizer step need."""
+
+    def reset(self) -> None:
+        """An attempt failed: drop what its half-done forward or backward left behind."""
+
+    def close(self) -> None:
+        """Undo everything this effect changed."""

@@ -1,0 +1,97 @@
+"""What the recovery loop retries: an attempt runs one plan, and says where it was when it ran out of memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from oomguard._distributed.agreement import Agreement
+from oomguard._effects.transaction import OptimizerTransaction
+from oomguard._guard.recovery import Call
+from oomguard._ladder.plan import Phase, Plan
+from oomguard._step.runner import AttemptOutput, Reduction, StepRunner
+
+__all__ = ["Attempt", "OptimizerStep", "Run"]
+
+T = TypeVar("T")
+
+
+class Attempt(Generic[T]):
+    """One try at a plan. After a failure the loop reads where it was (``phase``, ``micro_batch``), the memory in
+    use when it began (``base``, None where unknown) and, under distributed training, what the ranks agreed."""
+
+    def __call__(self, plan: Plan) -> T:
+        raise NotImplementedError
+
+    @property
+    def phase(self) -> Phase:
+        return Phase.OPTIMIZER
+
+    @property
+    def micro_batch(self) -> int:
+        return 0
+
+    @property
+    def base(self) -> int | None:
+        return None
+
+    @property
+    def agreement(self) -> Agreement | None:
+        """The agreement protocol of a distributed job, where this attempt takes part in one."""
+        return None
+
+    @property
+    def agreed_phase(self) -> Phase | None:
+        """The deepest phase any rank failed in, where the ranks agreed on one."""
+        return None
+
+
+class Run(Attempt[AttemptOutput]):
+    """A call's batch through the step runner, with or without the optimizer step."""
+
+    def __init__(self, runner: StepRunner, call: Call, *, step: bool, reduction: Reduction | None) -> None:
+        self.runner, self.call, self.step, self.reduction = runner, call, step, reduction
+
+    def __call__(self, plan: Plan) -> AttemptOutput:
+        call = self.call
+        return self.runner.run(call.batch, call.size, plan, call.backend, step=self.step, reduction=self.reduction)
+
+    @property
+    def phase(self) -> Phase:
+        return self.runner.phase
+
+    @property
+    def micro_batch(self) -> int:
+        return self.runner.micro_batch
+
+    @property
+    def base(self) -> int | None:
+        return self.runner.base
+
+    @property
+    def agreement(self) -> Agreement | None:
+        return self.runner.agreement
+
+    @property
+    def agreed_phase(self) -> Phase | None:
+        verdict = self.runner.verdict
+        return verdict.phase if verdict is not None and verdict.outcome != "ok" else None
+
+
+class OptimizerStep(Attempt[None]):
+    """An optimizer step someone else drives (the Trainer's), made undoable by the transaction.
+
+    On a cheaper plan (after an OOM in the step) ``replan`` first recomputes the same batch's gradients on it and
+    returns the plan that took (a replay may go deeper still); then the step runs again.
+    """
+
+    def __init__(
+        self, call: Call, transaction: OptimizerTransaction, run: Callable[[], None], replan: Callable[[Plan], Plan]
+    ) -> None:
+        self.call, self.transaction, self.run, self.replan = call, transaction, run, replan
+        self.ran_on = call.plan  # the plan the gradients were computed on
+
+    def __call__(self, plan: Plan) -> None:
+        if plan != self.ran_on:
+            self.ran_on = self.call.plan = self.replan(plan)
+        self.transaction.step(self.call.backend, run=self.run)

@@ -1,0 +1,121 @@
+"""The tally: what a job's events add up to, for a guard's ``summary()`` and for ``oomguard report`` alike.
+
+A guard feeds its tally every event it emits and every step it completes; the report feeds a tally the events of
+a log (JSON lines), where a step number going backwards means a restarted job appending to the same log. The
+time an out-of-memory error cost is counted against what it led to: the rung that engaged next, a try at a
+cheaper plan that backed off (``"(stepping back up)"``), or giving up on the batch (``"(gave up)"``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomguard._events import Event
+from oomguard._guard.results import GuardSummary
+from oomguard._ladder.plan import BUILTIN_RUNGS, Plan
+
+__all__ = ["Tally"]
+
+
+@dataclass
+class Tally:
+    """Counts per rung and per kind of event. Call it with an event (it is an event sink) or :meth:`add` one."""
+
+    #: Calls that committed an optimizer step (counted by the guard itself, see :meth:`count_step`).
+    steps: int = 0
+    #: The highest step any event names, plus one, counted across restarts: how far a log goes.
+    logged: int = 0
+    runs: int = 1
+    ooms: int = 0
+    recovered: int = 0
+    exhausted: int = 0
+    relax_held: int = 0
+    relax_failed: int = 0
+    #: Fallbacks to each rung.
+    engaged: Counter[str] = field(default_factory=Counter)
+    #: Seconds lost to out-of-memory errors, by what they led to (a rung, or one of the two cases in brackets).
+    seconds_lost: dict[str, float] = field(default_factory=dict)
+    capacity: int | None = None
+    _pending: list[float] = field(default_factory=list)  # seconds of OOMs whose consequence is yet to come
+    _run_steps: Counter[str] = field(default_factory=Counter)  # steps per rung in this run
+    _earlier_steps: Counter[str] = field(default_factory=Counter)  # ... in the runs before it
+    _offset: int = 0  # steps of the runs before this one
+    _last_step: int = -1
+
+    @property
+    def steps_by_rung(self) -> Counter[str]:
+        """Steps run with each rung in effect (``"none"``: plain steps), over every run."""
+        return self._earlier_steps + self._run_steps
+
+    @property
+    def total_seconds_lost(self) -> float:
+        return sum(self.seconds_lost.values()) + sum(self._pending)
+
+    def count_step(self, rungs: tuple[str, ...]) -> None:
+        """A call committed a step with ``rungs`` in effect."""
+        self.steps += 1
+        self._run_steps.update(rungs or ("none",))
+
+    def __call__(self, event: Event) -> None:
+        self.add(event.to_dict())
+
+    def add(self, event: Mapping[str, Any]) -> int:
+        """Count one event, given as its dict (as :meth:`oomguard.Event.to_dict` makes it, or a log line); returns
+        its step counted across restarts."""
+        step = int(event.get("step", 0))
+        if step < self._last_step:  # a restarted job appending to the same log
+            self._earlier_steps += self._run_steps
+            self._run_steps, self._offset, self.runs = Counter(), self._offset + self._last_step + 1, self.runs + 1
+        self._last_step = step
+        self.logged = max(self.logged, self._offset + step + 1)
+        self.capacity = (event.get("memory") or {}).get("capacity", self.capacity)
+        kind = event.get("event")
+        if kind == "oom":
+            self.ooms += 1
+            self._pending.append(float(event.get("seconds", 0.0)))
+        elif kind == "fallback":
+            self.engaged[event["rung"]] += 1
+            self._lost(event["rung"])
+        elif kind == "relax":
+            held = event.get("outcome") == "held"
+            self.relax_held += held
+            self.relax_failed += not held
+            self._lost("(stepping back up)")
+        elif kind == "exhausted":
+            self.exhausted += 1
+            self._lost("(gave up)")
+        elif kind == "recovered":
+            self.recovered += 1
+        elif kind == "progress":  # the run's own count so far (a guard's equals what it counted itself)
+            self._run_steps = Counter(event.get("steps_by_rung", {}))
+        return self._offset + step
+
+    def _lost(self, cause: str) -> None:
+        self.seconds_lost[cause] = self.seconds_lost.get(cause, 0.0) + sum(self._pending)
+        self._pending.clear()
+
+    def rung_names(self) -> list[str]:
+        """Every rung named so far: the built-in ones in their order, the others, ``"none"`` (plain steps), then
+        the causes in brackets (stepping back up, giving up)."""
+        named = list(dict.fromkeys([*self.engaged, *self.steps_by_rung, *self.seconds_lost]))
+        custom = [name for name in named if name not in BUILTIN_RUNGS and name != "none" and name[0] != "("]
+        causes = [name for name in named if name[0] == "("]
+        builtin = [name for name in BUILTIN_RUNGS if name in named]
+        return [*builtin, *custom, *(["none"] if "none" in named else []), *causes]
+
+    def summary(self, plan: Plan) -> GuardSummary:
+        """A guard's summary, on ``plan``."""
+        return GuardSummary(
+            steps=self.steps,
+            ooms=self.ooms,
+            fallbacks=dict(self.engaged),
+            recovered_steps=self.recovered,
+            exhausted=self.exhausted,
+            seconds_lost=self.total_seconds_lost,
+            plan=plan,
+            relaxations=(self.relax_held, self.relax_failed),
+            steps_by_rung=dict(self.steps_by_rung),
+        )

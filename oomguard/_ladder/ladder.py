@@ -1,0 +1,147 @@
+"""The ladder: the rungs in the order they engage, and the only code that walks them.
+
+Going down (:meth:`Ladder.next`), each out-of-memory error engages the first rung that can still give something,
+preferring rungs that relieve the phase that failed (after an OOM in the optimizer step, halving the
+micro-batches would not help). Rungs accumulate: an engaged rung stays on while the next is added.
+
+Micro-batching is the ladder's *sizing* rung: when any other rung engages, the micro-batch size goes back to the
+whole batch, since the memory the rung frees may let larger micro-batches fit again, and halving starts afresh.
+So the plan the guard settles on is the cheapest that fits, not merely the first, and going back up
+(:meth:`Ladder.relax`) grows the micro-batches first, then gives back the deepest other rung at the smallest
+micro-batch, as the ladder had it before that rung engaged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from oomguard._errors import GuardConfigError
+from oomguard._ladder.plan import BUILTIN_RUNGS, Plan
+from oomguard._ladder.rungs import ActivationOffload, Amp, Checkpointing, LayerOffload, MicroBatch, Rung, RungContext
+
+__all__ = ["DEFAULT_LADDER", "Ladder", "resolve_ladder"]
+
+_BUILTIN: dict[str, type[Rung]] = {
+    rung.name: type(rung) for rung in (MicroBatch(), Amp(), Checkpointing(), ActivationOffload(), LayerOffload())
+}
+#: Every built-in rung, cheapest effect on the training maths first.
+DEFAULT_LADDER: tuple[str, ...] = BUILTIN_RUNGS
+
+
+class Ladder:
+    """An ordered sequence of rungs, and what walking them up and down means.
+
+    ``rungs`` are the ones the guard escalates to, in order. ``known`` adds the built-in rungs the ladder does
+    not list (a plan assigned by hand or remembered in a state file may still engage them): every rung a plan
+    can hold, so that relaxing, agreeing and naming cover the whole plan.
+    """
+
+    def __init__(self, rungs: Sequence[Rung]) -> None:
+        self.rungs = tuple(rungs)
+        names = self.names
+        self.sizing: MicroBatch | None = next((r for r in self.rungs if isinstance(r, MicroBatch)), None)
+        unlisted = [factory() for name, factory in _BUILTIN.items() if name not in names]
+        # Unlisted rungs can only have been engaged before the ladder's own: they are given back last.
+        self.known: tuple[Rung, ...] = (*unlisted, *self.rungs)
+        self._grows = next(r for r in self.known if isinstance(r, MicroBatch))  # listed or not
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(rung.name for rung in self.rungs)
+
+    def next(self, plan: Plan, context: RungContext) -> tuple[Rung, Plan] | None:
+        """The rung to engage after ``plan`` failed, and the plan it gives; None when the ladder is exhausted."""
+        options = []
+        for rung in self.rungs:
+            cheaper = rung.escalate(plan, context)
+            if cheaper is not None and cheaper != plan:
+                options.append((rung, cheaper))
+        if not options:
+            return None
+        relieving = [(rung, cheaper) for rung, cheaper in options if context.phase in rung.relieves]
+        rung, cheaper = (relieving or options)[0]
+        if self.sizing is not None and rung is not self.sizing:
+            cheaper = cheaper.replace(micro_batch_size=None)  # a deeper rung may let larger micro-batches fit
+        return rung, cheaper
+
+    def relax(self, plan: Plan, batch_size: int) -> tuple[Rung, Plan] | None:
+        """One step back up: the rung given back and the plan tried just before ``plan``; None for a plain plan.
+
+        >>> ladder = resolve_ladder(None)
+        >>> [(rung.name, plan.micro_batch_size) for rung, plan in [ladder.relax(Plan(micro_batch_size=2), 8)]]
+        [('micro_batch', 4)]
+        >>> rung, plan = ladder.relax(Plan(precision="bf16"), 8)
+        >>> rung.name, plan
+        ('amp', Plan(micro_batch_size=1, precision=None, ...))
+        """
+        grown = self._grows.relax(plan, batch_size)
+        if grown is not None:
+            return self._grows, grown
+        for rung in reversed(self.known):
+            given = None if rung is self._grows else rung.relax(plan, batch_size)
+            if given is not None:
+                return rung, given if self.sizing is None else self.sizing.smallest(given, batch_size)
+        return None
+
+    def min_micro_batch(self, batch_size: int) -> int:
+        """The smallest micro-batch this ladder may run (the whole batch without a micro-batch rung)."""
+        return self.sizing.floor(batch_size) if self.sizing is not None else batch_size
+
+    def levels(self, plan: Plan, batch_size: int) -> list[int]:
+        """How far down each known rung ``plan`` is: what the ranks of a distributed job compare."""
+        return [rung.level(plan, batch_size) for rung in self.known]
+
+    def at_levels(self, plan: Plan, levels: Sequence[int], batch_size: int) -> Plan:
+        """``plan`` with each known rung at the given level (the inverse of :meth:`levels`)."""
+        for rung, level in zip(self.known, levels, strict=True):
+            plan = rung.at_level(plan, level, batch_size)
+        return plan
+
+
+class _Adopted(Rung):
+    """A rung given as any object with a ``name`` and an ``escalate(plan, context)`` method."""
+
+    def __init__(self, rung: object) -> None:
+        self.rung = rung
+        self.name = str(getattr(rung, "name"))  # noqa: B009
+        self.relieves = getattr(rung, "relieves", self.relieves)
+
+    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
+        cheaper: Plan | None = getattr(self.rung, "escalate")(plan, context)  # noqa: B009
+        return cheaper
+
+
+def resolve_ladder(spec: Iterable[str | Rung] | None) -> Ladder:
+    """Build a ladder from rung names and rung objects; ``None`` gives the default order.
+
+    >>> resolve_ladder(None).names
+    ('micro_batch', 'amp', 'checkpointing', 'activation_offload', 'layer_offload')
+    """
+    if spec is None:
+        spec = DEFAULT_LADDER
+    if isinstance(spec, str):
+        raise GuardConfigError(f"ladder= takes a list of rung names, not a string: write ladder=[{spec!r}]")
+    rungs: list[Rung] = []
+    for item in spec:
+        if isinstance(item, str):
+            factory = _BUILTIN.get(item)
+            if factory is None:
+                raise GuardConfigError(
+                    f"unknown rung {item!r} in ladder=; the rungs are: {', '.join(DEFAULT_LADDER)} "
+                    f"(or pass a rung object: a subclass of oomguard.Rung)"
+                )
+            rungs.append(factory())
+        elif isinstance(item, Rung):
+            rungs.append(item)
+        elif isinstance(getattr(item, "name", None), str) and callable(getattr(item, "escalate", None)):
+            rungs.append(_Adopted(item))
+        else:
+            raise GuardConfigError(
+                f"ladder= entries must be rung names or rung objects (subclasses of oomguard.Rung), got "
+                f"{type(item).__name__}: {item!r}"
+            )
+    names = [rung.name for rung in rungs]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise GuardConfigError(f"ladder= names the rung(s) {duplicates} more than once; list each rung once")
+    return Ladder(rungs)

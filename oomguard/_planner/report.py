@@ -1,0 +1,175 @@
+"""The planner's answer: every plan it measured, the one it recommends, and what a real device adds.
+
+On a real CUDA device more memory is used than tensors hold; :func:`device_overhead` models it with the
+documented constants below, and a plan fits only if its peak plus that overhead fits the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from oomguard._backends.units import MiB, format_bytes
+from oomguard._ladder.plan import Phase, Plan
+
+__all__ = [
+    "ALLOCATOR_SLACK",
+    "CUDA_CONTEXT_BYTES",
+    "CUDA_WORKSPACE_BYTES",
+    "Candidate",
+    "PlanReport",
+    "Target",
+    "device_overhead",
+    "tensor_budget",
+]
+
+#: The CUDA context and the kernel images loaded into it (CUDA 12 with lazy loading, torch 2.x): typically
+#: 300-500 MiB; taken at the upper middle. Not calibrated on a GPU yet.
+CUDA_CONTEXT_BYTES = 448 * MiB
+#: cuBLAS workspace of the default stream (32 MiB on Hopper, less on older GPUs).
+CUDA_WORKSPACE_BYTES = 32 * MiB
+#: The caching allocator's rounding and fragmentation at the peak, as a share of the tensor peak.
+ALLOCATOR_SLACK = 0.10
+Target = Literal["cuda", "simulated"]
+
+
+def device_overhead(peak_bytes: int, target: Target = "cuda") -> int:
+    """What a device adds to a tensor peak of ``peak_bytes``: nothing on a simulated device.
+
+    >>> device_overhead(10 * 2**30, "simulated")
+    0
+    >>> format_bytes(device_overhead(4 * 2**30))
+    '889.6 MiB'
+    """
+    if target == "simulated":
+        return 0
+    return CUDA_CONTEXT_BYTES + CUDA_WORKSPACE_BYTES + int(ALLOCATOR_SLACK * peak_bytes)
+
+
+def tensor_budget(capacity: int, target: Target) -> int:
+    """The largest tensor peak whose peak plus :func:`device_overhead` fits ``capacity``."""
+    if target == "simulated":
+        return capacity
+    return max(0, int((capacity - CUDA_CONTEXT_BYTES - CUDA_WORKSPACE_BYTES) / (1 + ALLOCATOR_SLACK)))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan the planner measured."""
+
+    plan: Plan
+    peak_bytes: int
+    device_overhead_bytes: int
+    fits: bool
+    #: Where the step first ran past the budget (forward, backward, optimizer...); None if it fits.
+    phase: Phase | None
+
+    def to_dict(self, size: int) -> dict[str, Any]:
+        return {
+            "plan": _plan_dict(self.plan, size),
+            "peak_bytes": self.peak_bytes,
+            "device_overhead_bytes": self.device_overhead_bytes,
+            "fits": self.fits,
+            "phase": self.phase,
+        }
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """The planner's answer: the plans it measured along the ladder and the one it recommends.
+
+    ``baseline_peak_bytes`` and ``predicted_peak_bytes`` are tensor memory (what
+    ``torch.cuda.max_memory_allocated`` would report); ``device_overhead_bytes`` is what the device adds on top
+    for the recommended plan. ``recommended`` is None when no plan on the ladder fits.
+    """
+
+    model: str
+    capacity_bytes: int
+    target: Target
+    batch_size: int
+    seq_len: int | None
+    optimizer: str
+    candidates: tuple[Candidate, ...]
+    recommended: Plan | None
+    seconds: float
+
+    @property
+    def baseline_peak_bytes(self) -> int:
+        """The peak of the plain step (the whole batch, no rung)."""
+        return self.candidates[0].peak_bytes
+
+    @property
+    def chosen(self) -> Candidate:
+        """The recommended plan's measurement, or the last plan tried when none fits."""
+        return next((c for c in self.candidates if c.plan == self.recommended), self.candidates[-1])
+
+    @property
+    def fits(self) -> bool:
+        return self.recommended is not None
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.chosen.peak_bytes
+
+    @property
+    def device_overhead_bytes(self) -> int:
+        return self.chosen.device_overhead_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the fields of ``oomguard plan --json``."""
+        return {
+            "model": self.model,
+            "gpu_memory_bytes": self.capacity_bytes,
+            "target": self.target,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "optimizer": self.optimizer,
+            "baseline_peak_bytes": self.baseline_peak_bytes,
+            "plan": _plan_dict(self.chosen.plan, self.batch_size),
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "device_overhead_bytes": self.device_overhead_bytes,
+            "fits": self.fits,
+            "candidates": [c.to_dict(self.batch_size) for c in self.candidates],
+            "seconds": round(self.seconds, 2),
+        }
+
+    def table(self) -> str:
+        """A readable report: every plan measured, and the recommendation."""
+        shape = f"{self.batch_size} x {self.seq_len} tokens" if self.seq_len else f"{self.batch_size} samples"
+        device = "simulated device" if self.target == "simulated" else "CUDA device"
+        lines = [
+            f"{self.model}: batch of {shape}, {self.optimizer}, on a {format_bytes(self.capacity_bytes)} {device}",
+            "",
+            "| plan | tensor peak | with device overhead | fits |",
+            "|---|---|---|---|",
+        ]
+        for index, c in enumerate(self.candidates):
+            name = c.plan.describe(self.batch_size) + (" (baseline)" if index == 0 else "")
+            verdict = "yes" if c.fits else f"no (runs out in {c.phase})"
+            total = format_bytes(c.peak_bytes + c.device_overhead_bytes)
+            lines.append(f"| {name} | {format_bytes(c.peak_bytes)} | {total} | {verdict} |")
+        lines.append("")
+        chosen = self.chosen
+        if self.recommended is None:
+            lines.append(
+                f"Nothing on the ladder fits: the last plan tried needs {format_bytes(chosen.peak_bytes)} of tensors. "
+                f"Use a smaller batch or sequence, a smaller model, or a larger device."
+            )
+        else:
+            rungs = ", ".join(self.recommended.rungs(self.batch_size)) or "none"
+            lines.append(
+                f"Recommended: {self.recommended.describe(self.batch_size)} (rungs: {rungs}); predicted peak "
+                f"{format_bytes(chosen.peak_bytes)} + {format_bytes(chosen.device_overhead_bytes)} device overhead "
+                f"of {format_bytes(self.capacity_bytes)}."
+            )
+        lines.append(f"(planned in {self.seconds:.1f} s on fake tensors)")
+        return "\n".join(lines)
+
+
+def _plan_dict(plan: Plan, size: int) -> dict[str, Any]:
+    return {
+        **plan.to_dict(),
+        "micro_batch_size": plan.effective_micro_batch_size(size),
+        "micro_batches": plan.micro_batches(size),
+        "rungs": list(plan.rungs(size)),
+    }

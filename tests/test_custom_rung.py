@@ -1,0 +1,196 @@
+"""A rung is one object: a custom one is added by one policy class and one effect, and the guard, the report,
+the summary, stepping back up, the state file and the agreement of distributed ranks all follow it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_mlp, mse_step, tuple_batch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from oomguard import MicroBatch, OOMGuard, Plan, Rung
+from oomguard._backends.memory import MemoryBackend
+from oomguard._cli.main import main
+from oomguard._effects.base import Effect, EffectTarget
+from oomguard._ladder.ladder import resolve_ladder
+from oomguard.testing import SimulatedGPU
+
+APPLIED: list[tuple[str, int]] = []  # what the toy effect saw, in order
+
+
+class RecordingEffect(Effect):
+    """The toy rung's effect: it changes nothing in torch, it only records each level it was brought to."""
+
+    def __init__(self, target: EffectTarget) -> None:
+        super().__init__(target)
+        self.level = 0
+
+    def apply(self, plan: Plan, backend: MemoryBackend) -> bool:
+        level = plan.level("toy")
+        if level == self.level:
+            return False
+        self.level = level
+        APPLIED.append(("apply", level))
+        return True
+
+    def close(self) -> None:
+        if self.level:
+            self.level = 0
+            APPLIED.append(("close", 0))
+
+
+class Toy(Rung):
+    """One policy class: a name, the phases it relieves (all, by default), and its effect."""
+
+    name = "toy"
+
+    def effect(self) -> type[Effect]:
+        return RecordingEffect
+
+
+@pytest.fixture(autouse=True)
+def _fresh_record() -> None:
+    APPLIED.clear()
+
+
+def test_a_custom_rung_is_escalated_to_named_everywhere_and_given_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = make_mlp()
+    log, state = tmp_path / "events.jsonl", tmp_path / "plans.json"
+    guard = OOMGuard(
+        mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), ladder=[Toy()],
+        log_file=log, state_file=state, relax_after=1, log_every=1,
+    )  # fmt: skip
+    batches = [tuple_batch(seed=seed) for seed in range(3)]
+    with SimulatedGPU("64MiB") as gpu:
+        gpu.adopt(model)
+        gpu.fail_allocation(1)  # the first attempt runs out of memory: the guard's only rung is the toy
+        first = guard(batches[0])
+        second = guard(batches[1])
+        relaxed = guard(batches[2])  # after relax_after clean steps: the toy is given back
+    assert (first.ooms, first.rungs, second.rungs) == (1, ("toy",), ("toy",))
+    assert first.plan == Plan().with_level("toy", 1)
+    assert (relaxed.ooms, relaxed.rungs, relaxed.plan) == (0, (), Plan())
+    assert APPLIED == [("apply", 1), ("apply", 0)], "applied once on the way down, undone once on the way up"
+
+    fallback = next(e for e in guard.events if e.kind == "fallback")
+    relax = next(e for e in guard.events if e.kind == "relax")
+    assert (fallback.rung, relax.rung, relax.outcome) == ("toy", "toy", "held")
+    assert "toy" in fallback.description
+    summary = guard.summary()
+    assert summary.fallbacks == {"toy": 1}
+    assert summary.steps_by_rung == {"toy": 2, "none": 1}
+    assert "Fallbacks needed: toy x1." in str(summary)
+
+    assert main(["report", str(log)]) == 0
+    table = capsys.readouterr().out
+    assert "| toy | 1 | 2 |" in table, table
+    assert "| none | 0 | 1 |" in table
+    saved = json.loads(state.read_text())["plans"]
+    assert [entry["plan"].get("extras") for entry in saved.values()] == [None], "saved, then given back"
+
+
+def test_a_remembered_custom_rung_is_restored_from_the_state_file(tmp_path: Path) -> None:
+    state = tmp_path / "plans.json"
+
+    def job() -> OOMGuard:
+        model = make_mlp()
+        return OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        ladder=[Toy()], state_file=state, relax_after=None)  # fmt: skip
+
+    batch = tuple_batch()
+    with SimulatedGPU("64MiB") as gpu:
+        first = job()
+        gpu.adopt(first.model)
+        gpu.fail_allocation(1)
+        assert first(batch).rungs == ("toy",)
+        again = job()
+        gpu.adopt(again.model)
+        restarted = again(batch)
+    assert (restarted.ooms, restarted.rungs) == (0, ("toy",)), "the restart starts on the toy, without an OOM"
+    assert APPLIED == [("apply", 1), ("apply", 1)], "each job's own effect applied it"
+
+
+def test_closing_the_guard_undoes_the_custom_effect() -> None:
+    model = make_mlp()
+    guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     ladder=[Toy()])  # fmt: skip
+    guard.plan = Plan().with_level("toy", 1)
+    guard(tuple_batch())
+    guard.close()
+    assert APPLIED == [("apply", 1), ("close", 0)]
+
+
+def test_an_effect_that_is_not_an_effect_is_refused_with_the_fix() -> None:
+    class Broken(Rung):
+        name = "broken"
+
+        def effect(self) -> Any:
+            return lambda target: object()
+
+    model = make_mlp()
+    with pytest.raises(ValueError, match=r"must return a subclass of oomguard\._effects\.Effect"):
+        OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                 ladder=[Broken()])  # fmt: skip
+
+
+# -- stepping back up keeps what the ladder allows -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ladder", "micro_batch_size"),
+    [([MicroBatch(min_size=2), "amp"], 2), (["amp"], 8)],
+    ids=["micro-batches of at least 2", "no micro-batch rung"],
+)
+def test_giving_a_rung_back_keeps_the_micro_batches_the_ladder_allows(ladder: list[Any], micro_batch_size: int) -> None:
+    """Found in review: relaxing a deeper rung went back to micro-batches of 1 whatever the ladder allowed
+    (MicroBatch(min_size=k) was ignored, and a ladder without micro_batch started splitting the batch)."""
+    model = make_mlp()
+    guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     ladder=ladder, relax_after=1, predictive=False)  # fmt: skip
+    guard.plan = Plan(precision="bf16")
+    guard(tuple_batch(n=8, seed=0))  # one clean step on the degraded plan
+    relaxed = guard(tuple_batch(n=8, seed=1))
+    event = next(e for e in guard.events if e.kind == "relax")
+    assert (event.rung, event.outcome) == ("amp", "held")
+    assert relaxed.plan.precision is None
+    assert relaxed.micro_batch_size == micro_batch_size
+
+
+# -- the ladder's levels: what distributed ranks agree on ------------------------------------------------------------
+
+PLANS = st.builds(
+    Plan,
+    micro_batch_size=st.none() | st.integers(1, 12),
+    precision=st.sampled_from([None, "bf16", "fp16"]),
+    checkpointing=st.sampled_from([None, "partial", "full"]),
+    activation_offload=st.booleans(),
+    offload_layers=st.integers(0, 6),
+    extras=st.sampled_from([(), (("toy", 1),)]),
+)
+
+
+@given(PLANS, PLANS)
+def test_the_agreed_plan_is_the_deepest_level_of_every_rung(a: Plan, b: Plan) -> None:
+    ladder, size = resolve_ladder(["micro_batch", "amp", Toy()]), 8
+    for plan in (a, b):
+        again = ladder.at_levels(plan, ladder.levels(plan, size), size)
+        assert again.replace(micro_batch_size=None) == plan.replace(micro_batch_size=None)
+        assert again.effective_micro_batch_size(size) == plan.effective_micro_batch_size(size)
+    agreed = ladder.at_levels(
+        a, [max(x, y) for x, y in zip(ladder.levels(a, size), ladder.levels(b, size), strict=True)], size
+    )
+    assert agreed.effective_micro_batch_size(size) == min(
+        a.effective_micro_batch_size(size), b.effective_micro_batch_size(size)
+    )
+    assert agreed.offload_layers == max(a.offload_layers, b.offload_layers)
+    assert agreed.activation_offload == (a.activation_offload or b.activation_offload)
+    assert agreed.level("toy") == max(a.level("toy"), b.level("toy"))
+    order = [None, "partial", "full"]
+    assert order.index(agreed.checkpointing) == max(order.index(a.checkpointing), order.index(b.checkpointing))
