@@ -75,8 +75,9 @@ class Event:
     time: float = field(default_factory=time.time, kw_only=True)
 
     def to_dict(self) -> dict[str, Any]:
-        data = {"event": self.kind}
-        data.update(asdict(self))
+        """The event as plain data: what ``log_file`` holds, one JSON object a line."""
+        data: dict[str, Any] = {"event": self.kind}
+        data.update(asdict(self, dict_factory=_plain))
         return data
 
     def describe(self) -> str:
@@ -195,6 +196,11 @@ class ExhaustedEvent(Event):
 
 
 EventSink = Callable[[Event], None]
+
+
+def _plain(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A dict of plain values: a phase as its string."""
+    return {key: value.value if isinstance(value, Phase) else value for key, value in items}
 
 
 class JsonlSink:

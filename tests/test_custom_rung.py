@@ -176,21 +176,31 @@ PLANS = st.builds(
 )
 
 
-@given(PLANS, PLANS)
-def test_the_agreed_plan_is_the_deepest_level_of_every_rung(a: Plan, b: Plan) -> None:
-    ladder, size = resolve_ladder(["micro_batch", "amp", Toy()]), 8
-    for plan in (a, b):
+@given(PLANS, PLANS, st.integers(1, 12), st.integers(1, 12))
+def test_the_agreed_plan_is_the_deepest_level_of_every_rung(a: Plan, b: Plan, size_a: int, size_b: int) -> None:
+    """Each rank may hold a batch of another size (length buckets, token budgets): the micro-batch is agreed as a
+    size, the smallest any rank chose, and a rank whose batch is no larger runs it whole."""
+    ladder = resolve_ladder(["micro_batch", "amp", Toy()])
+    for plan, size in ((a, size_a), (b, size_b)):
         again = ladder.at_levels(plan, ladder.levels(plan, size), size)
         assert again.replace(micro_batch_size=None) == plan.replace(micro_batch_size=None)
         assert again.effective_micro_batch_size(size) == plan.effective_micro_batch_size(size)
-    agreed = ladder.at_levels(
-        a, [max(x, y) for x, y in zip(ladder.levels(a, size), ladder.levels(b, size), strict=True)], size
-    )
-    assert agreed.effective_micro_batch_size(size) == min(
-        a.effective_micro_batch_size(size), b.effective_micro_batch_size(size)
-    )
-    assert agreed.offload_layers == max(a.offload_layers, b.offload_layers)
-    assert agreed.activation_offload == (a.activation_offload or b.activation_offload)
-    assert agreed.level("toy") == max(a.level("toy"), b.level("toy"))
-    order = [None, "partial", "full"]
-    assert order.index(agreed.checkpointing) == max(order.index(a.checkpointing), order.index(b.checkpointing))
+    levels = [max(x, y) for x, y in zip(ladder.levels(a, size_a), ladder.levels(b, size_b), strict=True)]
+    smallest = min(a.effective_micro_batch_size(size_a), b.effective_micro_batch_size(size_b))
+    for size in (size_a, size_b):
+        agreed = ladder.at_levels(a, levels, size)  # what each rank makes of the agreed figures
+        assert agreed.effective_micro_batch_size(size) == min(smallest, size)
+        assert agreed.offload_layers == max(a.offload_layers, b.offload_layers)
+        assert agreed.activation_offload == (a.activation_offload or b.activation_offload)
+        assert agreed.level("toy") == max(a.level("toy"), b.level("toy"))
+        order = [None, "partial", "full"]
+        assert order.index(agreed.checkpointing) == max(order.index(a.checkpointing), order.index(b.checkpointing))
+
+
+def test_a_custom_rung_cannot_take_the_name_of_a_built_in_one() -> None:
+    class Impostor(Rung):
+        name = "amp"
+
+    with pytest.raises(ValueError, match="that name is the built-in rung's"):
+        resolve_ladder(["micro_batch", Impostor()])
+    assert resolve_ladder([MicroBatch(min_size=2)]).names == ("micro_batch",), "the built-in class itself is fine"

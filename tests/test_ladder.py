@@ -302,3 +302,15 @@ def test_memory_is_back_to_baseline_after_an_oom_anywhere_in_the_step(plan: Plan
                 phase = [e for e in guard.events if e.kind == "oom"][-1].error.phase  # type: ignore[attr-defined]
                 leaks.append((index, phase, gpu.memory_allocated() - baseline))
     assert not leaks, f"(allocation index, phase, bytes left behind): {leaks}"
+
+
+def test_the_effects_keep_the_device_type_they_were_built_on() -> None:
+    """Found in review: the device type was read from the first parameter at each forward, and layer offload
+    points offloaded parameters at host copies, so a CUDA model's autocast (and GradScaler) would have been the
+    CPU's: bf16 planned, fp32 run, nothing relieved. Here the first parameter moves to the meta device."""
+    from oomguard._effects.base import EffectTarget
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    target = EffectTarget(model, torch.optim.SGD(model.parameters(), lr=0.1), list(model))
+    model[0].weight = torch.nn.Parameter(torch.empty(4, 4, device="meta"))  # the first parameter is elsewhere now
+    assert target.device_type == "cpu"

@@ -435,7 +435,7 @@ def test_batch_norm_statistics_are_untouched_when_it_does_not_fit() -> None:
 
 
 def test_eval_mode_batch_norm_that_fits_runs() -> None:
-    # LIBRARY BUG (oomguard/testing/_simulated.py, _precheck): native_batch_norm is sized on meta tensors before
+    # LIBRARY BUG (oomguard/_backends/accounting.py, _precheck): native_batch_norm is sized on meta tensors before
     # it runs, and the meta kernel returns save_mean/save_invstd of shape [C] even in eval mode, where the CPU
     # kernel returns empty tensors. The precheck therefore charges two phantom 512-byte blocks: an eval forward
     # that fits in the memory it really uses is refused with a simulated OOM.

@@ -37,7 +37,7 @@ def table(tally: Tally) -> str:
     lines = [
         f"{tally.logged} steps logged ({tally.runs} run(s)), {tally.ooms} out-of-memory error(s), "
         f"{tally.exhausted} batch(es) given up; stepped back up {tally.relax_held} time(s), {tally.relax_failed} "
-        f"try(s) backed off; {tally.total_seconds_lost:.2f} s lost to OOMs.",
+        f"try(s) backed off; {sum(tally.seconds_lost.values()):.2f} s lost to OOMs.",
         "",
         "| rung | times engaged | steps on it | time lost to OOMs |",
         "|---|---|---|---|",

@@ -32,10 +32,11 @@ class EffectTarget:
     #: Identities of the device storages of streamed (offloaded) weights, kept by the layer-offload effect:
     #: autocast must not cache copies of them, and activation offload must leave them on the device.
     streamed: set[int] = field(default_factory=set)
+    #: Where the model trains ("cuda", "cpu"...), read once: layer offload later points parameters at host copies.
+    device_type: str = field(init=False)
 
-    @property
-    def device_type(self) -> str:
-        return next(self.model.parameters()).device.type
+    def __post_init__(self) -> None:
+        self.device_type = next(self.model.parameters()).device.type
 
 
 class Packer(Protocol):

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from oomguard._backends.memory import MemoryBackend, current_backend, snapshot
+from oomguard._backends.memory import MemoryBackend, MemorySnapshot, current_backend, snapshot
 from oomguard._detect import is_oom
 from oomguard._distributed.agreement import Agreement, distributed_active, unwrap
 from oomguard._errors import GuardConfigError, LadderExhausted, OOMGuardError, RecoveryLimitExceeded
@@ -69,7 +69,7 @@ class OOMGuard:
     """
 
     @takes_options(GuardOptions)
-    def __init__(self, step_fn: Callable[[Any], Any], /, **options: Any) -> None:
+    def __init__(self, step_fn: Callable[[Any], Any], **options: Any) -> None:
         self.options = GuardOptions(**options)
         self.model, self.optimizer, self.scheduler = self.options.model, self.options.optimizer, self.options.scheduler
         self.ladder = self.options.rungs
@@ -145,8 +145,9 @@ class OOMGuard:
         batch on the new plan (through :meth:`accumulate`), and the step runs again: still exactly one step.
         """
         last = self._last
-        if last is None:
-            raise GuardConfigError("protected_step() steps the gradients of a guarded call: call the guard first")
+        if last is None:  # no guarded call yet: no batch to replay on a cheaper plan, so only undoable
+            self.transaction.step(current_backend(self._device), run=run)
+            return
         bucket = last.choice.bucket
         call = Call(None, last.size, current_backend(self._device), Choice(bucket, self._last_plan), self._last_plan,
                     last.items_per_sample)  # fmt: skip
@@ -189,11 +190,11 @@ class OOMGuard:
                 # the failed forward and backward, and with them the autograd graph.
                 summary = FailureSummary.from_exception(exc, attempt.phase, attempt.micro_batch, snapshot(call.backend))
             failure = Failure(call.plan, summary, time.perf_counter() - started, attempt.base)
-            self._free_and_record(call, failure)
-            call.plan = self._next_plan(call, failure, attempt)
+            freed = self._free_and_record(call, failure)
+            call.plan = self._next_plan(call, failure, attempt, freed)
 
-    def _free_and_record(self, call: Call, failure: Failure) -> None:
-        """Free what the failed attempt held, and record the OOM (event, tally, peak model)."""
+    def _free_and_record(self, call: Call, failure: Failure) -> MemorySnapshot:
+        """Free what the failed attempt held, and record the OOM (event, tally, peak model); the memory after."""
         cleanup_started = time.perf_counter()
         free_failed_attempt(self._runner, call.backend, self._device, failure.summary.phase, failure.base)
         freed = snapshot(call.backend)
@@ -205,8 +206,9 @@ class OOMGuard:
                             self._plan_rung, failure.summary, freed, lost, telemetry))  # fmt: skip
         items = round(failure.plan.effective_micro_batch_size(call.size) * call.items_per_sample)
         self._buckets.learn_failure(failure.plan, items, failure.base, call.backend)
+        return freed
 
-    def _next_plan(self, call: Call, failure: Failure, attempt: Attempt[Any]) -> Plan:
+    def _next_plan(self, call: Call, failure: Failure, attempt: Attempt[Any], freed: MemorySnapshot) -> Plan:
         """The plan to try next: one rung down, or back to the bucket's plan after a failed try at a cheaper one.
 
         Gives up (raises) when the ladder has nothing left or a bound on attempts or time is reached.
@@ -223,7 +225,7 @@ class OOMGuard:
             if not bound:
                 self._plan_rung = rung.name
                 change = f"{failure.plan.describe(call.size)} -> {plan.describe(call.size)}"
-                self._emit(FallbackEvent(self.steps, plan.to_dict(), snapshot(call.backend), rung.name,
+                self._emit(FallbackEvent(self.steps, plan.to_dict(), freed, rung.name,
                                          failure.plan.to_dict(), failure.summary.memory, change))  # fmt: skip
         if bound:
             self._give_up(call, bound)
@@ -275,15 +277,16 @@ class OOMGuard:
         self._buckets.succeeded(choice, plan)
         if choice.relaxing and plan == choice.plan:
             self._emit_relax(call, "held")
-        memory = snapshot(call.backend)
-        if ooms:
-            self._emit(RecoveredEvent(result.step, plan.to_dict(), memory, result.rungs, ooms, call.seconds_lost,
-                                      plan.describe(call.size)))  # fmt: skip
         log_every = self.options.log_every
-        if log_every is not None and (result.step % log_every == 0 or ooms):
-            progress = dataclasses.replace(memory, peak=output.peak)
-            self._emit(ProgressEvent(result.step, plan.to_dict(), progress, output.loss, choice.bucket,
-                                     dict(self._tally.steps_by_rung)))  # fmt: skip
+        progress = log_every is not None and (result.step % log_every == 0 or ooms > 0)
+        if ooms or progress:  # the figures only when an event carries them (on CUDA, reading them costs)
+            memory = snapshot(call.backend)
+            if ooms:
+                self._emit(RecoveredEvent(result.step, plan.to_dict(), memory, result.rungs, ooms, call.seconds_lost,
+                                          plan.describe(call.size)))  # fmt: skip
+            if progress:
+                self._emit(ProgressEvent(result.step, plan.to_dict(), dataclasses.replace(memory, peak=output.peak),
+                                         output.loss, choice.bucket, dict(self._tally.steps_by_rung)))  # fmt: skip
         return result
 
     def _emit_relax(self, call: Call, outcome: str) -> None:

@@ -44,6 +44,7 @@ class Ladder:
         # Unlisted rungs can only have been engaged before the ladder's own: they are given back last.
         self.known: tuple[Rung, ...] = (*unlisted, *self.rungs)
         self._grows = next(r for r in self.known if isinstance(r, MicroBatch))  # listed or not
+        self._deeper = tuple(r for r in self.known if r is not self._grows)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -77,23 +78,29 @@ class Ladder:
         grown = self._grows.relax(plan, batch_size)
         if grown is not None:
             return self._grows, grown
-        for rung in reversed(self.known):
-            given = None if rung is self._grows else rung.relax(plan, batch_size)
+        for rung in reversed(self._deeper):
+            given = rung.relax(plan, batch_size)
             if given is not None:
                 return rung, given if self.sizing is None else self.sizing.smallest(given, batch_size)
         return None
 
     def min_micro_batch(self, batch_size: int) -> int:
-        """The smallest micro-batch this ladder may run (the whole batch without a micro-batch rung)."""
-        return self.sizing.floor(batch_size) if self.sizing is not None else batch_size
+        """The smallest micro-batch predictive sizing may pick: the micro-batch rung's floor, else one sample."""
+        return self.sizing.floor(batch_size) if self.sizing is not None else 1
 
     def levels(self, plan: Plan, batch_size: int) -> list[int]:
-        """How far down each known rung ``plan`` is: what the ranks of a distributed job compare."""
-        return [rung.level(plan, batch_size) for rung in self.known]
+        """What the ranks of a distributed job compare, each the larger the more conservative: the micro-batch
+        size, negated (ranks' batches may differ in size, so it is compared as a size, not a level), then the
+        level of every other rung a plan can hold."""
+        micro = -plan.effective_micro_batch_size(batch_size)
+        return [micro, *(rung.level(plan, batch_size) for rung in self._deeper)]
 
     def at_levels(self, plan: Plan, levels: Sequence[int], batch_size: int) -> Plan:
-        """``plan`` with each known rung at the given level (the inverse of :meth:`levels`)."""
-        for rung, level in zip(self.known, levels, strict=True):
+        """``plan`` as :meth:`levels` describes it (on a batch of ``batch_size``: a micro-batch at least as
+        large runs the batch whole)."""
+        micro, *deeper = levels
+        plan = plan.replace(micro_batch_size=None if -micro >= batch_size else -micro)
+        for rung, level in zip(self._deeper, deeper, strict=True):
             plan = rung.at_level(plan, level, batch_size)
         return plan
 
@@ -139,6 +146,13 @@ def resolve_ladder(spec: Iterable[str | Rung] | None) -> Ladder:
             raise GuardConfigError(
                 f"ladder= entries must be rung names or rung objects (subclasses of oomguard.Rung), got "
                 f"{type(item).__name__}: {item!r}"
+            )
+    for rung in rungs:
+        builtin = _BUILTIN.get(rung.name)
+        if builtin is not None and not isinstance(rung, builtin):
+            raise GuardConfigError(
+                f"ladder= has a rung named {rung.name!r} that is not oomguard.{builtin.__name__}: that name is the "
+                f"built-in rung's (it owns a field of the plan); give your rung a name of its own"
             )
     names = [rung.name for rung in rungs]
     duplicates = sorted({name for name in names if names.count(name) > 1})

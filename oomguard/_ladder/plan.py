@@ -104,6 +104,10 @@ class Plan:
                     f"Plan.extras holds (name, level >= 1) pairs of rungs that are not built in, got {self.extras!r}"
                 )
 
+    def __repr__(self) -> str:
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.name != "extras"]
+        return f"Plan({', '.join(shown + ([f'extras={self.extras!r}'] if self.extras else []))})"
+
     def effective_micro_batch_size(self, batch_size: int) -> int:
         """The micro-batch size this plan uses for a batch of ``batch_size`` samples."""
         if self.micro_batch_size is None:

@@ -70,7 +70,7 @@ class Candidate:
             "peak_bytes": self.peak_bytes,
             "device_overhead_bytes": self.device_overhead_bytes,
             "fits": self.fits,
-            "phase": self.phase,
+            "phase": None if self.phase is None else self.phase.value,
         }
 
 

@@ -1,0 +1,78 @@
+"""The house rules of the package's layout (README, "Layout"), read from the source: no import cycle, policy that
+touches no torch state, the planner beside the guard rather than on top of it, no use of the test double in the
+library, small modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "oomguard"
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Every module of the package and the modules it imports, at any depth (functions, TYPE_CHECKING included)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+                names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        found[_module(path)] = names
+    return {module: {name for name in names if name in found and name != module} for module, names in found.items()}
+
+
+IMPORTS = _imports()
+
+
+def test_no_module_imports_itself_round_a_loop() -> None:
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for imported in sorted(IMPORTS[module]):
+            if imported == "oomguard":  # the package's face: its own imports are checked as modules
+                continue
+            if state.get(imported) == 1:
+                cycles.append([*path[path.index(imported) :], imported])
+            elif imported not in state:
+                visit(imported, [*path, imported])
+        state[module] = 2
+
+    for module in sorted(IMPORTS):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, cycles
+
+
+def _importers_of(prefix: str) -> set[str]:
+    return {module for module, names in IMPORTS.items() if any(name.startswith(prefix) for name in names)}
+
+
+def test_only_the_test_double_itself_uses_oomguard_testing() -> None:
+    assert {m for m in _importers_of("oomguard.testing") if not m.startswith("oomguard.testing")} == set()
+
+
+def test_policy_knows_nothing_of_torch_state_and_the_planner_never_builds_a_guard() -> None:
+    for path in (PACKAGE / "_ladder").glob("*.py"):
+        source = path.read_text(encoding="utf-8")
+        assert "import torch" not in source, f"{path.name}: policy imports torch"
+    ladder = {m for m in IMPORTS if m.startswith("oomguard._ladder")}
+    assert all(name.startswith(("oomguard._ladder", "oomguard._errors")) for m in ladder for name in IMPORTS[m])
+    assert not {m for m in _importers_of("oomguard._guard") if m.startswith("oomguard._planner")}
+    mechanism = {m for m in IMPORTS if m.startswith(("oomguard._effects", "oomguard._step", "oomguard._backends"))}
+    assert not {m for m in mechanism if any(n.startswith(("oomguard._guard", "oomguard._planner")) for n in IMPORTS[m])}
+
+
+def test_modules_stay_small() -> None:
+    sizes = {path.name: len(path.read_text(encoding="utf-8").splitlines()) for path in PACKAGE.rglob("*.py")}
+    assert max(sizes.values()) <= 400, sorted(sizes.items(), key=lambda item: -item[1])[:3]
