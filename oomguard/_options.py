@@ -1,8 +1,10 @@
-"""The guard's options: one frozen dataclass, defined once, checked once, with errors that name the fix.
+"""The guard's options: one frozen dataclass, defined once, checked once, with errors that name the fix; and the
+step runner they configure.
 
 :func:`oomguard.oom_guard`, :class:`oomguard.OOMGuard`, the Trainer integration and the planner all take these
 options; the first two take them as keyword arguments whose names, types and defaults are this dataclass's own
-(:func:`takes_options`). What each option does is documented on :func:`oomguard.oom_guard`.
+(:func:`takes_options`). What each option does is documented on :func:`oomguard.oom_guard`. The guard and the
+planner both run steps through the runner :func:`build_runner` assembles.
 """
 
 from __future__ import annotations
@@ -15,15 +17,21 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
-from oomguard._effects.transaction import JournalMode, Scheduler
+from oomguard._backends.memory import bf16_supported
+from oomguard._distributed.agreement import ddp_of, unwrap
+from oomguard._effects.base import EffectTarget
+from oomguard._effects.blocks import find_blocks
+from oomguard._effects.checkpointing import user_checkpointing
+from oomguard._effects.effects import Effects
+from oomguard._effects.transaction import JournalMode, OptimizerTransaction, Scheduler
 from oomguard._errors import GuardConfigError
 from oomguard._events import EventSink
 from oomguard._ladder.ladder import Ladder, resolve_ladder
-from oomguard._ladder.rungs import Rung
-from oomguard._step.batch import batch_bucket
-from oomguard._step.runner import Reduction
+from oomguard._ladder.rungs import Rung, RungContext
+from oomguard._step.batch import batch_bucket, default_item_counter
+from oomguard._step.runner import Reduction, StepRunner
 
-__all__ = ["GuardOptions", "takes_options"]
+__all__ = ["GuardOptions", "build_runner", "model_context", "takes_options"]
 
 P = ParamSpec("P")
 S = TypeVar("S")
@@ -139,3 +147,36 @@ def with_options(function: Callable[..., Any], leading: int) -> inspect.Signatur
     """The signature of ``function``'s first ``leading`` parameters followed by every option, keyword-only."""
     first = list(inspect.signature(function).parameters.values())[:leading]
     return inspect.Signature([*first, *inspect.signature(GuardOptions).parameters.values()])
+
+
+def build_runner(
+    step_fn: Callable[[Any], Any], options: GuardOptions, item_counter: Callable[[Any], float] | None = None
+) -> StepRunner:
+    """The runner of ``step_fn`` with ``options``: its effects work on the module inside DDP, never the wrapper."""
+    core = unwrap(options.model)
+    return StepRunner(
+        step_fn,
+        model=options.model,
+        optimizer=options.optimizer,
+        scheduler=options.scheduler,
+        transaction=OptimizerTransaction(options.optimizer, options.step_journal),
+        effects=Effects(EffectTarget(core, options.optimizer, find_blocks(core)), options.rungs.rungs),
+        max_grad_norm=options.max_grad_norm,
+        item_counter=item_counter or options.count_items or default_item_counter(options.model),
+        reduction=options.reduction,
+        ddp=ddp_of(options.model),
+        accelerator=options.accelerator,
+    )
+
+
+def model_context(runner: StepRunner) -> RungContext:
+    """What the rungs may assume about the runner's model and device; each call fills in its batch and phase."""
+    target = runner.effects.target
+    accelerator = runner.accelerator
+    return RungContext(
+        batch_size=0,
+        num_blocks=len(target.blocks),
+        bf16_supported=bf16_supported(next(target.model.parameters()).device),
+        checkpointed=user_checkpointing(target.model),
+        amp_available=accelerator is None or getattr(accelerator, "mixed_precision", "no") == "no",
+    )

@@ -49,10 +49,9 @@ from oomguard._guard.results import GuardSummary, StepResult
 from oomguard._guard.tally import Tally
 from oomguard._ladder.plan import Plan
 from oomguard._ladder.rungs import RungContext
-from oomguard._options import GuardOptions, takes_options
+from oomguard._options import GuardOptions, build_runner, model_context, takes_options
 from oomguard._planner.fakes import preplan
 from oomguard._step.batch import batch_size, items_per_sample
-from oomguard._step.build import build_runner, model_context
 from oomguard._step.runner import AttemptOutput, Reduction
 
 __all__ = ["OOMGuard"]
@@ -242,14 +241,16 @@ class OOMGuard:
     def _escalation_context(self, call: Call, failure: Failure, attempt: Attempt[Any]) -> RungContext:
         # Under distributed training every rank escalates from the same agreed figures, so all reach the same
         # plan: the deepest phase any rank failed in, and no per-rank prediction.
+        distributed = attempt.agreement is not None
+        predicted = None if distributed else self._buckets.predict(failure.plan, call.backend, call.items_per_sample)
+        phase = attempt.agreed_phase or failure.summary.phase
         return dataclasses.replace(
             self._context,
             batch_size=call.size,
-            phase=attempt.agreed_phase or failure.summary.phase,
+            phase=phase,
             can_offload=call.backend.offloads,
-            max_micro_batch=None if attempt.agreement is not None else self._buckets.predict(failure.plan, call.backend,
-                                                                                     call.items_per_sample),
-        )  # fmt: skip
+            max_micro_batch=predicted,
+        )
 
     def _give_up(self, call: Call, reason: GiveUp) -> NoReturn:
         memory = snapshot(call.backend)

@@ -28,11 +28,10 @@ from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._ladder.predict import PeakModel
 from oomguard._ladder.rungs import Rung, RungContext
-from oomguard._options import GuardOptions
+from oomguard._options import GuardOptions, build_runner, model_context
 from oomguard._planner.masks import unpadded_masks
 from oomguard._planner.report import Candidate, PlanReport, Target, device_overhead, tensor_budget
 from oomguard._step.batch import batch_size, items_per_sample, split_batch
-from oomguard._step.build import build_runner, model_context
 from oomguard._step.runner import StepRunner
 
 __all__ = ["dry_run"]
