@@ -33,8 +33,6 @@ class Effects:
 
     def __init__(self, target: EffectTarget, rungs: Iterable[Rung] = ()) -> None:
         self.target = target
-        self.model = target.model
-        self.blocks = target.blocks
         self._layers = LayerOffloadEffect(target)
         # Layer offload before activation offload: its saved-tensor hook must see the copies of streamed weights
         # before activation offload would move them to the host. Undone in the reverse order.
