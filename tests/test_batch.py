@@ -30,12 +30,42 @@ def shares_storage(part: torch.Tensor, whole: torch.Tensor) -> bool:
     return part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
 
 
-def assert_rejoins(original: Any, parts: list[Any]) -> None:
-    """The parts have the original's structure and types; tensors concatenate back to it exactly; other leaves
-    (and 0-d tensors) are the very same objects in every part."""
+def has_batch_tensor(value: Any) -> bool:
+    """Whether ``value`` holds, at any depth of mappings, lists and tuples, a tensor with a dim 0."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0
+    if isinstance(value, dict):
+        return any(has_batch_tensor(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(has_batch_tensor(item) for item in value)
+    return False
+
+
+def is_per_sample(value: Any, size: int) -> bool:
+    """The documented rule: a list or tuple (not a named tuple, not a ``torch.Size``) with one entry per sample
+    and no tensor with a dim 0 inside it is split with the batch."""
+    return (
+        isinstance(value, (list, tuple))
+        and not hasattr(value, "_fields")
+        and not isinstance(value, torch.Size)
+        and len(value) == size
+        and not has_batch_tensor(value)
+    )
+
+
+def assert_rejoins(original: Any, parts: list[Any], size: int | None = None) -> None:
+    """The parts have the original's structure and types; tensors and per-sample sequences concatenate back to
+    it exactly; other leaves (and 0-d tensors) are the very same objects in every part."""
     assert parts, "a batch with samples must give at least one part"
+    if size is None:
+        size = batch_size(original)
     for part in parts:
         assert type(part) is type(original)
+    if is_per_sample(original, size):
+        entries = [item for part in parts for item in part]
+        assert len(entries) == len(original)
+        assert all(a is b for a, b in zip(entries, original, strict=True))  # the very same entries, in order
+        return
     if isinstance(original, torch.Tensor) and original.dim() > 0:
         joined = torch.cat(parts)
         assert joined.dtype == original.dtype
@@ -46,12 +76,12 @@ def assert_rejoins(original: Any, parts: list[Any]) -> None:
         for part in parts:
             assert list(part) == list(original)
         for key, value in original.items():
-            assert_rejoins(value, [part[key] for part in parts])
+            assert_rejoins(value, [part[key] for part in parts], size)
     elif isinstance(original, (list, tuple)):
         for part in parts:
             assert len(part) == len(original)
         for index, value in enumerate(original):
-            assert_rejoins(value, [part[index] for part in parts])
+            assert_rejoins(value, [part[index] for part in parts], size)
     else:
         for part in parts:
             assert part is original
@@ -379,3 +409,199 @@ def test_split_then_join_gives_the_batch_back(drawn: tuple[Any, int], micro_batc
     sizes = [batch_size(part) for part in parts]
     assert sizes == [min(micro_batch_size, n - start) for start in range(0, n, micro_batch_size)]
     assert_rejoins(batch, parts)
+
+
+@st.composite
+def batches_with_per_sample_sequences(draw: st.DrawFn) -> tuple[Any, int]:
+    """A nested batch with lists and tuples of one non-tensor entry per sample, next to lists that are not."""
+    batch, n = draw(nested_batches())
+    entries = st.one_of(OTHER_LEAVES, st.dictionaries(KEYS, OTHER_LEAVES, max_size=2))
+    per_sample = draw(st.lists(entries, min_size=n, max_size=n))
+    as_tuple = draw(st.booleans())
+    other_length = draw(st.integers(0, 10).filter(lambda length: length != n))
+    return {
+        "batch": batch,
+        "text": tuple(per_sample) if as_tuple else per_sample,
+        "shared": [f"tag{i}" for i in range(other_length)],
+    }, n
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches_with_per_sample_sequences(), st.integers(1, 12))
+def test_per_sample_sequences_split_then_join_give_the_batch_back(
+    drawn: tuple[Any, int], micro_batch_size: int
+) -> None:
+    batch, n = drawn
+    parts = split_batch(batch, micro_batch_size)
+    assert sum(len(part["text"]) for part in parts) == n
+    for part in parts:
+        assert len(part["text"]) == batch_size(part)  # each micro-batch gets its own samples' entries
+        assert part["shared"] == batch["shared"]  # a list of another length is given whole
+    assert_rejoins(batch, parts)
+
+
+# -- per-sample sequences ------------------------------------------------------------------------------------
+
+
+def test_a_per_sample_list_of_strings_is_split_with_the_tensors() -> None:
+    texts = ["a", "b", "c", "d", "e"]
+    batch: dict[str, Any] = {"input_ids": torch.arange(10).reshape(5, 2), "text": texts}
+    parts = split_batch(batch, 2)
+    assert [part["text"] for part in parts] == [["a", "b"], ["c", "d"], ["e"]]
+    assert [part["input_ids"].shape[0] for part in parts] == [2, 2, 1]
+    assert all(type(part["text"]) is list for part in parts)
+    assert texts == ["a", "b", "c", "d", "e"]  # the caller's list is not modified
+    assert_rejoins(batch, parts)
+
+
+def test_per_sample_tuples_dicts_numbers_and_0d_tensors_are_split_keeping_their_types() -> None:
+    class Texts(list):  # type: ignore[type-arg]
+        """A user's list subclass: splitting keeps it."""
+
+    records = [{"id": i, "source": "web"} for i in range(4)]
+    scores = [torch.tensor(float(i)) for i in range(4)]  # 0-d tensors are per-sample values like numbers
+    batch: dict[str, Any] = {
+        "x": torch.randn(4, 3),
+        "ids": (10, 11, 12, 13),  # what `tuple(zip(*samples))` gives
+        "records": records,
+        "scores": scores,
+        "texts": Texts(["w", "x", "y", "z"]),
+        "tokens": [["a", "b"], ["c"], [], ["d"]],  # one ragged list of tokens per sample
+    }
+    parts = split_batch(batch, 3)
+    assert [part["ids"] for part in parts] == [(10, 11, 12), (13,)]
+    assert all(type(part["ids"]) is tuple and type(part["texts"]) is Texts for part in parts)
+    assert parts[1]["records"][0] is records[3]
+    assert parts[1]["scores"][0] is scores[3]
+    assert parts[0]["tokens"] == [["a", "b"], ["c"], []]
+    assert_rejoins(batch, parts)
+
+
+def test_sequences_of_another_length_named_tuples_and_shapes_are_given_whole() -> None:
+    x = torch.randn(2, 5)
+    batch: dict[str, Any] = {
+        "x": x,
+        "classes": ["cat", "dog", "eel"],  # 3 entries, 2 samples: not per-sample
+        "pair": Pair("left", "right"),  # a record with 2 fields, not 2 samples
+        "shape": x.shape,  # torch.Size([2, 5]) has 2 entries too: a shape, never samples
+    }
+    parts = split_batch(batch, 1)
+    assert len(parts) == 2
+    for part in parts:
+        assert part["classes"] == ["cat", "dog", "eel"]
+        assert part["pair"] == Pair("left", "right")
+        assert part["shape"] == torch.Size([2, 5])
+        assert part["x"].shape == (1, 5)
+
+
+def test_containers_of_batch_tensors_still_split_element_wise() -> None:
+    # Lists and tuples of tensors are containers of batch tensors, even when they have one entry per sample:
+    # (inputs, targets), three same-shaped tensors, and a list of per-layer states with as many layers as samples.
+    pair = (torch.randn(2, 2), torch.randn(2, 2))
+    triple = [torch.arange(12).reshape(4, 3) + k for k in range(3)]
+    layers: dict[str, Any] = {
+        "input_ids": torch.arange(8).reshape(4, 2),
+        "past": [torch.randn(4, 2, 3) for _ in range(4)],
+    }
+    for batch, micro, size in ((pair, 1, 2), (triple, 2, 4), (layers, 2, 4)):
+        parts = split_batch(batch, micro)
+        assert len(parts) == size // micro
+        assert [batch_size(part) for part in parts] == [micro] * (size // micro)
+        assert_rejoins(batch, parts)
+    assert len(split_batch(layers, 2)[0]["past"]) == 4  # every layer, each with half of the samples
+
+
+def test_a_guarded_step_after_an_oom_gets_each_micro_batch_s_own_texts() -> None:
+    from conftest import make_mlp
+
+    from oomguard import oom_guard
+    from oomguard.testing import SimulatedGPU
+
+    model = make_mlp()
+    seen: list[list[str]] = []
+
+    @oom_guard(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    def step(batch: dict[str, Any]) -> torch.Tensor:
+        assert len(batch["text"]) == batch["input_ids"].shape[0], "the texts must travel with their samples"
+        seen.append(list(batch["text"]))
+        loss: torch.Tensor = model(batch["input_ids"]).square().mean()
+        return loss
+
+    texts = [f"sample {i}" for i in range(8)]
+    batch = {"input_ids": torch.randn(8, 16), "text": texts}
+    with SimulatedGPU("64MiB") as gpu:
+        gpu.adopt(model)
+        gpu.fail_allocation(1)  # the whole batch's first allocation fails: the guard splits the batch
+        result = step(batch)
+    assert result.ooms == 1
+    assert result.micro_batches >= 2
+    done = seen[-result.micro_batches :]  # the successful attempt: every text once, in order
+    assert [text for part in done for text in part] == texts
+
+
+# -- empty batches --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        pytest.param(torch.zeros(0, 16), id="tensor"),
+        pytest.param((torch.zeros(0, 16), torch.zeros(0)), id="tuple"),
+        pytest.param({"input_ids": torch.zeros(0, 8, dtype=torch.long), "text": []}, id="dict"),
+    ],
+)
+def test_an_empty_batch_is_refused_with_the_fix(batch: Any) -> None:
+    for call in (lambda: batch_size(batch), lambda: split_batch(batch, 2)):
+        with pytest.raises(BatchSplitError) as caught:
+            call()
+        message = str(caught.value)
+        assert "empty" in message
+        assert "0 samples" in message
+        assert "drop_last=True" in message
+
+
+def test_a_guarded_call_on_an_empty_batch_raises_before_anything_runs() -> None:
+    from conftest import make_mlp, mse_step
+
+    from oomguard import oom_guard
+
+    model = make_mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, scheduler=scheduler)
+    with pytest.raises(BatchSplitError, match="empty"):
+        step((torch.zeros(0, 16), torch.zeros(0)))
+    assert optimizer.state == {}  # no AdamW step: no moments, no step count
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))  # no weight decay
+    assert scheduler.last_epoch == 0
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    assert step.guard.steps == 0
+
+
+# -- lists of per-sample tensors ------------------------------------------------------------------------------
+
+
+def test_a_list_of_per_sample_tensors_beside_a_batch_tensor_is_refused_with_the_fix() -> None:
+    batch = {"input_ids": torch.zeros(8, 16), "pixel_values": [torch.zeros(3, 4, 4) for _ in range(8)]}
+    with pytest.raises(BatchSplitError) as caught:
+        batch_size(batch)
+    message = str(caught.value)
+    assert "batch['pixel_values']" in message
+    assert "one tensor per sample" in message
+    assert "torch.stack" in message
+
+
+def test_a_ragged_list_of_per_sample_tensors_is_refused_with_the_fix() -> None:
+    with pytest.raises(BatchSplitError) as caught:
+        split_batch([torch.zeros(12), torch.zeros(9), torch.zeros(14)], 1)
+    message = str(caught.value)
+    assert "one tensor per sample" in message
+    assert "pad_sequence" in message
+
+
+def test_a_mismatched_input_target_pair_gets_no_per_sample_hint() -> None:
+    # Two tensors that disagree are far more likely a mistake in one of them than two samples.
+    with pytest.raises(BatchSplitError) as caught:
+        batch_size((torch.zeros(4, 3), torch.zeros(5)))
+    assert "one tensor per sample" not in str(caught.value)

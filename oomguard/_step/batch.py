@@ -1,8 +1,10 @@
 """Splitting a batch into micro-batches along dim 0, and counting what each one weighs in the loss.
 
 A batch is any nesting of mappings, lists and tuples (named tuples included) whose tensor leaves share their
-first dimension; other leaves (strings, numbers, ``None``, 0-d tensors) are passed to every micro-batch as
-they are. Splitting keeps the container types, so a ``BatchEncoding`` stays a ``BatchEncoding``.
+first dimension. A list or tuple with one non-tensor entry per sample (the list of strings a collate function
+gives for a text field) is split with the tensors; other leaves (strings, numbers, ``None``, 0-d tensors) are
+passed to every micro-batch as they are. Splitting keeps the container types, so a ``BatchEncoding`` stays a
+``BatchEncoding``. :func:`split_batch` states the rules in full.
 """
 
 from __future__ import annotations
@@ -22,44 +24,117 @@ B = TypeVar("B")
 IGNORE_INDEX = -100  # the label value transformers (and torch's cross-entropy) leave out of the loss
 
 
-def _leaves(batch: Any, path: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
+_Parent = tuple[str, Sequence[Any]]  # a list or tuple holding tensors directly, with its path
+
+
+def _leaves(batch: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Every splittable tensor leaf of ``batch`` with a readable path to it, e.g. ``batch['labels']``."""
+    for leaf_path, tensor, _ in _leaves_in(batch, "batch", None):
+        yield leaf_path, tensor
+
+
+def _leaves_in(batch: Any, path: str, parent: _Parent | None) -> Iterator[tuple[str, torch.Tensor, _Parent | None]]:
+    """Like :func:`_leaves`, with the list or tuple (its path and itself) that holds each tensor directly, if
+    any: what the error for a list of per-sample tensors needs to say which list it is."""
     if isinstance(batch, torch.Tensor):
         if batch.dim() > 0:
-            yield path, batch
+            yield path, batch, parent
     elif isinstance(batch, Mapping):
         for key, value in batch.items():
-            yield from _leaves(value, f"{path}[{key!r}]")
+            yield from _leaves_in(value, f"{path}[{key!r}]", None)
     elif isinstance(batch, (list, tuple)):
+        held = None if _is_record(batch) else (path, batch)
         for index, value in enumerate(batch):
-            yield from _leaves(value, f"{path}[{index}]")
+            yield from _leaves_in(value, f"{path}[{index}]", held)
+
+
+def _is_record(value: Any) -> bool:
+    """Whether a tuple is a record of fields (a named tuple) or a shape, which never holds one entry per sample."""
+    return isinstance(value, torch.Size) or (isinstance(value, tuple) and hasattr(value, "_fields"))
+
+
+def _is_per_sample(value: Any, size: int) -> bool:
+    """Whether ``value`` is a sequence of one non-tensor entry per sample, to be split with the batch's tensors.
+
+    Only a plain list or tuple (or a subclass that is not a record) of exactly ``size`` entries with no tensor
+    with a dim 0 anywhere inside qualifies. A sequence holding such tensors is a container of batch tensors
+    (``(inputs, targets)``, per-layer states): its tensors carry the batch dimension themselves.
+    """
+    return (
+        isinstance(value, (list, tuple))
+        and not _is_record(value)
+        and len(value) == size
+        and next(_leaves(value), None) is None
+    )
+
+
+def _per_sample_tensor_hint(one: tuple[str, int, _Parent | None], other: tuple[str, int, _Parent | None]) -> str:
+    """Advice for two tensors that disagree on dim 0 when they look like entries of a list of per-sample tensors.
+
+    The hint is only given when the error is already certain (the tensors disagree), so it can never refuse a
+    batch that would have split. It is left out where one wrong tensor is the likelier story, such as a pair
+    ``(inputs, targets)`` that disagree (unless one of them has exactly two samples). It is given when a list
+    of tensors has as many entries as the other tensor has samples (``{"input_ids": (8, T), "pixel_values":
+    [8 images]}``), or when both tensors sit in one list of three or more tensors (``[ids_0, ids_1, ids_2]``,
+    ragged sequences).
+    """
+    for (_, _, parent), (_, size, _) in ((one, other), (other, one)):
+        if parent is not None and len(parent[1]) == size and _all_batch_tensors(parent[1]):
+            return _stack_advice(parent[0])
+    parent = one[2]
+    if parent is not None and parent is other[2] and len(parent[1]) >= 3 and _all_batch_tensors(parent[1]):
+        return _stack_advice(parent[0])
+    return ""
+
+
+def _all_batch_tensors(values: Sequence[Any]) -> bool:
+    return all(isinstance(value, torch.Tensor) and value.dim() > 0 for value in values)
+
+
+def _stack_advice(path: str) -> str:
+    return (
+        f" If {path} is a list of one tensor per sample (what a collate_fn that does not stack gives), build one "
+        f"tensor with the samples along dim 0 in the collate_fn instead: torch.stack for samples of one shape, "
+        f"torch.nn.utils.rnn.pad_sequence(..., batch_first=True) with a mask for ragged ones."
+    )
 
 
 def batch_size(batch: Any) -> int:
     """The number of samples in ``batch``: the shared size of dim 0 of its tensors.
 
-    Raises :class:`~oomguard.BatchSplitError` when the batch holds no tensor with a dim 0, or when its tensors
-    disagree on dim 0 (the message names both tensors).
+    Raises :class:`~oomguard.BatchSplitError` when the batch holds no tensor with a dim 0, when its tensors
+    disagree on dim 0 (the message names both tensors), or when it has no sample at all: the guard calls this
+    first on every batch, and a step on an empty batch would return a NaN loss yet still apply weight decay and
+    advance the optimizer's and scheduler's step counts, training on nothing.
 
     >>> batch_size({"input_ids": torch.zeros(4, 16), "labels": torch.zeros(4, 16), "name": "x"})
     4
     """
-    first: tuple[str, int] | None = None
-    for path, tensor in _leaves(batch):
+    first: tuple[str, int, _Parent | None] | None = None
+    for path, tensor, parent in _leaves_in(batch, "batch", None):
         size = tensor.shape[0]
         if first is None:
-            first = (path, size)
+            first = (path, size, parent)
         elif size != first[1]:
+            hint = _per_sample_tensor_hint(first, (path, size, parent))
             raise BatchSplitError(
                 f"the batch's tensors disagree on dim 0: {first[0]} has {first[1]} samples but {path} has "
                 f"{size}. The guard splits batches along dim 0, so every tensor needs the batch dimension "
-                f"first (a tensor shared by all samples can be 0-d, or be built inside the step function)."
+                f"first (a tensor shared by all samples can be 0-d, or be built inside the step function).{hint}"
             )
     if first is None:
         raise BatchSplitError(
             f"the batch ({type(batch).__name__}) holds no tensor with a batch dimension, so its size is "
             f"unknown and it cannot be split. Pass the batch's tensors (in a dict, list or tuple, nested as you "
             f"like) with the samples along dim 0."
+        )
+    if first[1] == 0:
+        raise BatchSplitError(
+            f"the batch is empty: {first[0]} has 0 samples in dim 0, so there is nothing to train on (a step "
+            f"would return a NaN loss and still apply weight decay and advance the optimizer and scheduler). "
+            f"Skip empty batches before the guarded call: give the DataLoader drop_last=True so that no short "
+            f"last batch is made, and do not yield a batch from a sampler or collate_fn that filtered out every "
+            f"sample."
         )
     return first[1]
 
@@ -76,13 +151,13 @@ def _rebuild(template: Any, values: Sequence[Any]) -> Any:
     raise AssertionError("unreachable: only sequences are rebuilt here")
 
 
-def _split(batch: Any, bounds: Sequence[tuple[int, int]]) -> list[Any]:
+def _split(batch: Any, bounds: Sequence[tuple[int, int]], size: int) -> list[Any]:
     if isinstance(batch, torch.Tensor):
         if batch.dim() == 0:
             return [batch] * len(bounds)
         return [batch[start:stop] for start, stop in bounds]  # views: splitting allocates nothing
     if isinstance(batch, Mapping):
-        columns = {key: _split(value, bounds) for key, value in batch.items()}
+        columns = {key: _split(value, bounds, size) for key, value in batch.items()}
         parts = [{key: column[i] for key, column in columns.items()} for i in range(len(bounds))]
         if type(batch) is dict:
             return parts
@@ -92,7 +167,9 @@ def _split(batch: Any, bounds: Sequence[tuple[int, int]]) -> list[Any]:
         except TypeError:  # a mapping type that cannot be built from a dict: fall back to plain dicts
             return parts
     if isinstance(batch, (list, tuple)):
-        columns_seq = [_split(value, bounds) for value in batch]
+        if _is_per_sample(batch, size):  # one entry per sample: each micro-batch gets its own entries
+            return [_rebuild(batch, batch[start:stop]) for start, stop in bounds]
+        columns_seq = [_split(value, bounds, size) for value in batch]
         return [_rebuild(batch, [column[i] for column in columns_seq]) for i in range(len(bounds))]
     return [batch] * len(bounds)
 
@@ -100,18 +177,36 @@ def _split(batch: Any, bounds: Sequence[tuple[int, int]]) -> list[Any]:
 def split_batch(batch: B, micro_batch_size: int) -> list[B]:
     """Split ``batch`` along dim 0 into consecutive parts of at most ``micro_batch_size`` samples.
 
-    Tensors become views (no copy); containers keep their types; other leaves are shared. The last part may be
-    smaller. Raises :class:`~oomguard.BatchSplitError` for a batch with no batch dimension or whose tensors
-    disagree on dim 0, and ``ValueError`` for a micro-batch size below 1.
+    Tensors become views (no copy); containers keep their types. The last part may be smaller. The rules, so
+    that every micro-batch holds exactly its own samples:
 
-    >>> [part["x"].tolist() for part in split_batch({"x": torch.arange(5), "tag": "t"}, 2)]
-    [[0, 1], [2, 3], [4]]
+    * The batch size is the shared dim 0 of the tensors with a dim 0, wherever they sit in mappings, lists and
+      tuples; every such tensor is sliced along dim 0.
+    * A list or tuple with exactly one entry per sample and no tensor with a dim 0 inside (strings, numbers,
+      ``None``, 0-d tensors, or lists and dicts of those: ``{"input_ids": ..., "text": ["a", "b", ...]}``) is
+      per-sample data: each part gets the slice of its own samples, in the sequence's type. A named tuple or a
+      ``torch.Size`` is a record, not a list of samples, and is never sliced. When a sequence and the
+      sequences in it all have one entry per sample, the outer one is taken as the list of samples.
+    * Every other leaf, and every non-tensor list or tuple of another length, is given whole to every part.
+    * A list or tuple that holds tensors is a container of batch tensors (``(inputs, targets)``, a list of
+      per-layer states), split element by element, never a list of samples: a list of per-sample tensors of
+      one shape looks exactly like ``[input_ids, attention_mask, labels]`` or a list of per-layer states, so
+      it is not guessed at. When such a list disagrees with the batch on dim 0, the error says to stack the
+      samples in the collate function; when it happens to agree, it is split as a container, so stack
+      per-sample tensors before the guard.
+
+    Raises :class:`~oomguard.BatchSplitError` for a batch with no batch dimension, whose tensors disagree on
+    dim 0, or with no sample, and ``ValueError`` for a micro-batch size below 1.
+
+    >>> parts = split_batch({"x": torch.arange(5), "text": list("abcde"), "tag": "t"}, 2)
+    >>> [(part["x"].tolist(), part["text"], part["tag"]) for part in parts]
+    [([0, 1], ['a', 'b'], 't'), ([2, 3], ['c', 'd'], 't'), ([4], ['e'], 't')]
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
     size = batch_size(batch)
     bounds = [(start, min(start + micro_batch_size, size)) for start in range(0, size, micro_batch_size)]
-    return _split(batch, bounds)
+    return _split(batch, bounds, size)
 
 
 def _shifts_labels(model: torch.nn.Module | None) -> bool:
