@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 __all__ = ["main"]
 
@@ -74,23 +75,42 @@ def _run_plan(args: argparse.Namespace) -> int:
             args.model, gpu_memory=args.gpu_memory, batch_size=args.batch_size, seq_len=args.seq_len,
             optimizer=args.optimizer, target=args.target, bf16=args.bf16, max_grad_norm=args.max_grad_norm,
         )  # fmt: skip
-    except ValueError as error:
-        raise SystemExit(f"oomguard plan: {error}") from error
+    except ValueError as error:  # bad input: a model, a config.json or an argument the planner cannot use
+        _bad_input("plan", error)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
     return 0 if report.fits else 1
+
+
+def _bad_input(command: str, error: ValueError) -> NoReturn:
+    """Print ``oomguard COMMAND: what is wrong`` on one line of stderr and exit with status 2, as argparse does
+    for bad usage: 1 already means an answer (nothing fits), so a script can tell the two apart.
+
+    The ``SystemExit`` carries the message as its text (for a caller of :func:`main` such as a test) and the
+    status as its ``code``: Python exits with an int code silently, so the line is printed exactly once.
+    """
+    message = f"oomguard {command}: {' '.join(str(error).split())}"  # one line, whatever the error's layout
+    print(message, file=sys.stderr)
+    exit_ = SystemExit(message)
+    exit_.code = 2
+    raise exit_ from error
 
 
 def _run_report(args: argparse.Namespace) -> int:
     from oomguard._cli.report import plot, read_log, table, tallied
 
     try:
-        events = read_log(args.log)
+        log = read_log(args.log)
     except OSError as error:
         raise SystemExit(f"oomguard report: cannot read {args.log}: {error.strerror or error}") from error
-    print(table(tallied(events)))
-    if args.plot:
-        plot(events, args.plot, title=args.log)
-        print(f"\nPlot written to {args.plot}.")
+    print(table(tallied(log.events)))
+    try:
+        if args.plot:
+            plot(log.events, args.plot, title=args.log)
+            print(f"\nPlot written to {args.plot}.")
+    finally:  # last, even when there is nothing to plot: skipped progress lines may be why
+        skipped = log.skipped_line()
+        if skipped:
+            print(f"\n{skipped}")
     return 0
 
 

@@ -9,27 +9,68 @@ oomguard[plot]``).
 from __future__ import annotations
 
 import json
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from oomguard._backends.units import MiB, format_bytes
-from oomguard._guard.tally import Tally
+from oomguard._guard.tally import Tally, event_problem
 
-__all__ = ["plot", "read_log", "table", "tallied"]
+__all__ = ["EventLog", "plot", "read_log", "table", "tallied"]
 
 
-def read_log(path: str | Path) -> list[dict[str, Any]]:
-    """The events of a JSON-lines log; unreadable lines (a line cut by a crash) are skipped."""
-    events = []
-    with Path(path).open(encoding="utf-8") as log:
-        for line in log:
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
+@dataclass
+class EventLog:
+    """The events of a log that a report can use, and why each line it could not use was skipped.
+
+    A log outlives the run that wrote it: a crash can cut its last line, a restarted job or another program can
+    write into it, someone can edit it. The report counts what it can read and says what it skipped, in one line,
+    rather than failing on the first damaged line.
+    """
+
+    events: list[dict[str, Any]] = field(default_factory=list)
+    #: Skipped lines, by reason ("not JSON", "fallback without a rung"...).
+    skipped: Counter[str] = field(default_factory=Counter)
+
+    def skipped_line(self) -> str | None:
+        """E.g. ``"3 unreadable line(s) skipped: 2 not JSON, 1 fallback without a rung"``; None if none were."""
+        if not self.skipped:
+            return None
+        reasons = ", ".join(f"{count} {reason}" for reason, count in self.skipped.most_common())
+        return f"{self.skipped.total()} unreadable line(s) skipped: {reasons}"
+
+
+def read_log(path: str | Path) -> EventLog:
+    """The events of a JSON-lines log; a line that is not an event the report can use is skipped and counted.
+
+    The file is read as bytes and decoded line by line, so that stray binary data (a disk error, another program
+    writing to the file) costs only the lines it is on. Blank lines are not damage and are not counted.
+    """
+    log = EventLog()
+    with Path(path).open("rb") as lines:
+        for raw in lines:
+            if not raw.strip():
                 continue
-            if isinstance(event, dict) and "event" in event:
-                events.append(event)
-    return events
+            event = _event(raw)
+            if isinstance(event, str):
+                log.skipped[event] += 1
+            else:
+                log.events.append(event)
+    return log
+
+
+def _event(raw: bytes) -> dict[str, Any] | str:
+    """The event on a line of the log, or why there is none there."""
+    try:
+        event = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return "not UTF-8"
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+        return "not JSON"
+    if not isinstance(event, dict):
+        return "not a JSON object"
+    return event_problem(event) or event
 
 
 def table(tally: Tally) -> str:
@@ -54,7 +95,7 @@ def table(tally: Tally) -> str:
 
 
 def tallied(events: list[dict[str, Any]]) -> Tally:
-    """The tally of a log's events."""
+    """The tally of a log's events (well formed: as :func:`read_log` returns them)."""
     tally = Tally()
     for event in events:
         tally.add(event)
@@ -62,7 +103,10 @@ def tallied(events: list[dict[str, Any]]) -> Tally:
 
 
 def plot(events: list[dict[str, Any]], path: str | Path, title: str = "oomguard") -> None:
-    """Peak and resident device memory over steps, with fallbacks (red) and steps back up (green) marked."""
+    """Peak and resident device memory over steps, with fallbacks (red) and steps back up (green) marked.
+
+    ``events`` must be well formed, as :func:`read_log` returns them: every progress event has its figures.
+    """
     try:
         import matplotlib
 

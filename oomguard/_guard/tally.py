@@ -4,10 +4,15 @@ A guard feeds its tally every event it emits and every step it completes; the re
 a log (JSON lines), where a step number going backwards means a restarted job appending to the same log. The
 time an out-of-memory error cost is counted against what it led to: the rung that engaged next, a try at a
 cheaper plan that backed off (``"(stepping back up)"``), or giving up on the batch (``"(gave up)"``).
+
+A log can be damaged (a crash mid-line, a hand edit, another program writing to it): :func:`event_problem` says
+which events a tally cannot count, so a reader can skip them and say so, while the guard's own events go
+straight to :meth:`Tally.add` unchecked and are counted exactly as before.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,7 +22,58 @@ from oomguard._events import Event
 from oomguard._guard.results import GuardSummary
 from oomguard._ladder.plan import BUILTIN_RUNGS, Plan
 
-__all__ = ["Tally"]
+__all__ = ["Tally", "event_problem"]
+
+
+#: The memory figures ``oomguard report --plot`` draws from every progress event.
+_DRAWN = ("peak", "allocated")
+
+
+def event_problem(event: Mapping[str, Any]) -> str | None:
+    """Why a tally, or a plot of the log, cannot use ``event``: a short phrase for a report's line of skipped
+    events (``"fallback without a rung"``), or ``None`` for an event shaped as the guard writes them.
+
+    It checks exactly the fields that :meth:`Tally.add` and ``oomguard report --plot`` read, so that a damaged
+    event is skipped whole rather than counted half or crashing the report.
+    """
+    kind = event.get("event")
+    if not isinstance(kind, str):
+        return "no event name"
+    step = event.get("step", 0)
+    if not _count(step):
+        return "step not a whole number"
+    memory = event.get("memory")
+    if memory is not None and not isinstance(memory, Mapping):
+        return "memory not an object"
+    figures = dict(memory or {})  # the figures read (the drawn ones, and the capacity): byte counts or null
+    if not all(figures.get(name) is None or _count(figures[name]) for name in (*_DRAWN, "capacity")):
+        return "memory figures not byte counts"
+    if "seconds" in event and not _seconds(event["seconds"]):
+        return "seconds not a number"
+    if kind in ("fallback", "relax") and not _name(event.get("rung")):
+        return f"{kind} without a rung"
+    if kind == "progress":
+        if not all(_count(figures.get(name)) for name in _DRAWN):
+            return "progress without memory figures"
+        steps = event.get("steps_by_rung", {})
+        if not isinstance(steps, Mapping) or not all(_name(k) and _count(v) for k, v in steps.items()):
+            return "steps_by_rung not a mapping of ints"
+    return None
+
+
+def _count(value: object) -> bool:
+    """A whole number of steps or bytes, as JSON holds it (a bool is not one, though Python says it is an int)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _seconds(value: object) -> bool:
+    """A duration: JSON lets a writer put NaN or Infinity there, which would turn the table's sums into ``nan``."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _name(value: object) -> bool:
+    """A rung's name: a non-empty string (the table sorts names by their first character)."""
+    return isinstance(value, str) and value != ""
 
 
 @dataclass
@@ -64,7 +120,10 @@ class Tally:
 
     def add(self, event: Mapping[str, Any]) -> int:
         """Count one event, given as its dict (as :meth:`oomguard.Event.to_dict` makes it, or a log line); returns
-        its step counted across restarts."""
+        its step counted across restarts.
+
+        The event must be well formed: check a log's events with :func:`event_problem` first.
+        """
         step = int(event.get("step", 0))
         if step < self._last_step:  # a restarted job appending to the same log
             self._earlier_steps += self._run_steps

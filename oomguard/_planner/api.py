@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from oomguard._backends.units import parse_bytes
 from oomguard._ladder.rungs import Rung
 from oomguard._planner.engine import dry_run
-from oomguard._planner.presets import load_config
+from oomguard._planner.presets import config_source, load_config, transformers_error
 from oomguard._planner.report import PlanReport, Target
 
 if TYPE_CHECKING:
@@ -56,12 +56,13 @@ def plan(
         bf16: whether the device runs bf16 (Ampere and newer); else mixed precision is fp16.
         max_grad_norm: plan with gradient clipping, as the guard's option of that name.
 
+    Raises ``ValueError`` for bad input: an argument out of range, or a config (file) transformers cannot build a
+    causal LM from; the message names the file and the fix.
+
     >>> report = plan("gpt2", gpu_memory="6GiB", batch_size=2, seq_len=16)
     >>> report.recommended.describe(2), report.fits
     ('whole batch', True)
     """
-    from transformers import AutoModelForCausalLM  # imported when needed: `import oomguard` stays light
-
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
@@ -70,7 +71,8 @@ def plan(
     if target not in ("cuda", "simulated"):
         raise ValueError(f"target must be 'cuda' or 'simulated', got {target!r}")
     capacity = parse_bytes(gpu_memory)
-    config = load_config(model)
+    with _quiet_transformers():  # a config it cannot use is our one-line error, not its warnings and then ours
+        config = load_config(model)
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if positions is not None and seq_len > positions:
         raise ValueError(f"seq_len {seq_len} is longer than the model's {positions} positions; plan a shorter one")
@@ -81,7 +83,7 @@ def plan(
                 setattr(config, field, 0.0)
     label = model if isinstance(model, str) else getattr(config, "model_type", "model")
     with FakeTensorMode(), _quiet_transformers():
-        net = AutoModelForCausalLM.from_config(config)
+        net = _build(config, config_source(model))
         net.train()
         foreach = True if target == "cuda" else None  # torch's default on CUDA
         opt: torch.optim.Optimizer = (
@@ -98,11 +100,40 @@ def plan(
         )  # fmt: skip
 
 
+def _build(config: PretrainedConfig, source: str) -> torch.nn.Module:
+    """The causal LM of ``config`` (on fake tensors, under the caller's mode).
+
+    transformers accepts many configs it then cannot build a model from (an unknown activation, a rope setting
+    of the wrong type...) and fails inside the model's constructor with whatever error that code meets; that is
+    bad input all the same, reported as a ``ValueError`` naming the config, like every other bad input here.
+    """
+    from transformers import AutoModelForCausalLM  # imported when needed: `import oomguard` stays light
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"{source}: model_type {config.model_type!r} is not a causal LM transformers can build "
+            f"(AutoModelForCausalLM has none for it); plan a decoder-only model such as llama, qwen2 or gpt2"
+        )
+    try:
+        net: torch.nn.Module = AutoModelForCausalLM.from_config(config)
+    except Exception as error:  # whatever the model's constructor meets: see above
+        raise ValueError(
+            f"{source}: transformers cannot build a {config.model_type} model from it: {transformers_error(error)}; "
+            f"fix the config's fields"
+        ) from error
+    return net
+
+
 class _quiet_transformers:
     """Silence transformers' per-call notices (checkpointing and cache warnings) while planning."""
 
     def __enter__(self) -> None:
-        self._logger = logging.getLogger("transformers")
+        from transformers.utils import logging as transformers_logging
+
+        # transformers sets its logger's level when it first configures it, at the first import of one of its
+        # modules: done here, so that a model module imported lazily inside the block does not undo the silence
+        self._logger = transformers_logging.get_logger("transformers")
         self._level = self._logger.level
         self._logger.setLevel(logging.ERROR)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["PRESETS", "load_config"]
+__all__ = ["PRESETS", "config_source", "load_config", "transformers_error"]
 
 _LLAMA_ROPE_3 = {
     "rope_type": "llama3",
@@ -50,39 +50,107 @@ PRESETS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+#: Fields that hold a size or a count (of tokens, layers, heads, features): where present, each must be a positive
+#: int (or null, which some configs use for "derive it"), checked before transformers sees them so that a bad
+#: value is named as such rather than surfacing as an arithmetic error deep in a model's constructor.
+_SIZES = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "n_embd", "n_layer", "n_head", "n_positions", "n_ctx", "n_inner",  # GPT-2 style names
+    "d_model", "num_layers", "num_heads", "ffn_dim", "d_ff",
+)  # fmt: skip
+
+#: How a JSON value that is not an object is called, for the error that says a config.json must be one.
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false"}
+
+
 def load_config(spec: str | Path | PretrainedConfig | dict[str, Any]) -> PretrainedConfig:
     """A transformers config from a preset name, a ``config.json`` path, a dict or a config.
+
+    Raises ``ValueError``, naming the file (or dict) and the fix, for a config transformers cannot use: not a
+    JSON object, a size that is not a positive int, an unknown ``model_type``, or any field transformers rejects.
 
     >>> load_config("gpt2").n_layer
     12
     """
-    from transformers import AutoConfig, PretrainedConfig  # imported when needed: `import oomguard` stays light
+    import transformers  # imported when needed: `import oomguard` stays light
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if isinstance(spec, PretrainedConfig):
         return spec
+    source = config_source(spec)
     if isinstance(spec, dict):
-        fields = dict(spec)
+        fields: object = dict(spec)
     elif str(spec).lower() in PRESETS:
         fields = dict(PRESETS[str(spec).lower()])
     else:
         path = Path(spec)
         if path.is_dir():
-            path = path / "config.json"
+            path, source = path / "config.json", str(path / "config.json")
         if not path.is_file():
             raise ValueError(
                 f"unknown model {str(spec)!r}: give a preset ({', '.join(PRESETS)}) or the path of a "
                 f"transformers config.json"
             )
-        try:
-            fields = json.loads(path.read_text())
-        except (OSError, ValueError) as error:
-            raise ValueError(f"cannot read {path} as a transformers config.json: {error}") from error
+        fields = _read_json(path)
+    if not isinstance(fields, dict):
+        kind = _JSON_KINDS.get(type(fields), "null")
+        raise ValueError(
+            f"{source}: not a JSON object but {kind}; a transformers config.json is one object of fields such "
+            f'as "model_type" and "hidden_size"'
+        )
+    for name in _SIZES:
+        value = fields.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(
+                f"{source}: {name} must be a positive int, got {json.dumps(value)}; set it to the model's real size"
+            )
     model_type = fields.pop("model_type", None)
     if not isinstance(model_type, str):
-        raise ValueError(f"the config for {str(spec)!r} has no model_type; a transformers config.json names one")
+        raise ValueError(f'{source}: no model_type; a transformers config.json names one, e.g. "model_type": "llama"')
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"{source}: transformers {transformers.__version__} does not know model_type {model_type!r}; use the "
+            f"model_type of a causal LM it knows (llama, qwen2, gpt2...), or a newer transformers for a new model"
+        )
     for ignored in ("architectures", "transformers_version", "torch_dtype", "dtype"):
         fields.pop(ignored, None)
     try:
         return AutoConfig.for_model(model_type, **fields)
-    except ValueError as error:
-        raise ValueError(f"transformers does not know model_type {model_type!r}: {error}") from error
+    except Exception as error:  # transformers validates fields in many ways (ValueError, TypeError, its own errors)
+        raise ValueError(
+            f"{source}: transformers rejects this {model_type} config: {transformers_error(error)}; fix that field"
+        ) from error
+
+
+def config_source(spec: str | Path | PretrainedConfig | dict[str, Any]) -> str:
+    """How an error names the config it is about: the file's path, the preset, the dict or the config object."""
+    if isinstance(spec, dict):
+        return "the config dict"
+    if isinstance(spec, str | Path):
+        return f"preset {spec!r}" if str(spec).lower() in PRESETS else str(spec)
+    return f"the {type(spec).__name__} given"
+
+
+def transformers_error(error: BaseException) -> str:
+    """An error raised inside transformers as a short line of text for our own message: its type (a bare
+    ``KeyError: 'nosuch'`` says little without it) and its text with the line breaks and the long lists of
+    every supported choice cut."""
+    text = f"{type(error).__name__}: {' '.join(str(error).split()).rstrip('.')}"
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _read_json(path: Path) -> object:
+    """The JSON document in ``path``; ``ValueError`` naming the file if it cannot be read or is not JSON."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as error:
+        raise ValueError(
+            f"{path}: cannot read it ({error.strerror or error}); check the path and its permissions"
+        ) from error
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not JSON (not UTF-8 text); give the path of a transformers config.json") from error
+    except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the parser goes
+        detail = "nested too deep" if isinstance(error, RecursionError) else str(error)
+        raise ValueError(f"{path}: not JSON ({detail}); give the path of a transformers config.json") from error

@@ -1,0 +1,241 @@
+"""Bad input to the CLI: a damaged event log for ``oomguard report``, an invalid config for ``oomguard plan``.
+
+Neither answers with a traceback. The report skips what it cannot read, counts the rest exactly as in an
+undamaged log and ends with one line saying what it skipped; the plan prints one line naming the file, what is
+wrong with it and the fix, and exits with status 2 (1 stays "nothing fits").
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from oomguard import plan
+from oomguard._backends.memory import MemorySnapshot
+from oomguard._backends.units import MiB
+from oomguard._cli.main import main
+from oomguard._events import (
+    ExhaustedEvent,
+    FailureSummary,
+    FallbackEvent,
+    JsonlSink,
+    OOMEvent,
+    ProgressEvent,
+    RecoveredEvent,
+    RelaxEvent,
+)
+from oomguard._ladder.plan import Phase
+
+
+def _memory(peak: int) -> dict[str, Any]:
+    return {"backend": "simulated", "allocated": peak // 2, "reserved": peak, "peak": peak, "capacity": 64 * MiB}
+
+
+#: A short run as the guard logs it: three OOMs, two fallbacks, a batch given up, a step back up, two progress lines.
+GOOD: list[dict[str, Any]] = [
+    {"event": "progress", "step": 0, "memory": _memory(30 * MiB), "steps_by_rung": {"none": 1}},
+    {"event": "oom", "step": 1, "memory": _memory(40 * MiB), "seconds": 0.25, "rung": None},
+    {"event": "fallback", "step": 1, "memory": _memory(20 * MiB), "rung": "micro_batch"},
+    {"event": "recovered", "step": 1, "memory": _memory(50 * MiB), "ooms": 1},
+    {"event": "oom", "step": 2, "memory": _memory(40 * MiB), "seconds": 0.5, "rung": "micro_batch"},
+    {"event": "fallback", "step": 2, "memory": _memory(20 * MiB), "rung": "amp"},
+    {"event": "oom", "step": 3, "memory": _memory(40 * MiB), "seconds": 0.25, "rung": "amp"},
+    {"event": "exhausted", "step": 3, "memory": _memory(20 * MiB), "reason": "ladder"},
+    {"event": "relax", "step": 4, "memory": _memory(40 * MiB), "rung": "amp", "outcome": "held"},
+    {"event": "progress", "step": 5, "memory": _memory(45 * MiB), "steps_by_rung": {"none": 1, "micro_batch": 4}},
+]
+
+#: Damaged lines, each with (part of) the reason the report gives for skipping it.
+DAMAGED: dict[str, tuple[bytes, str]] = {
+    "binary": (b"\xff\xfe\x00\x81 garbage \xc3\x28", "not UTF-8"),
+    "cut by a crash": (b'{"event": "oom", "step": 4, "seco', "not JSON"),
+    "nested too deep": (b"[" * 100_000, "not JSON"),
+    "a list": (b"[1, 2, 3]", "not a JSON object"),
+    "a string": (b'"oom"', "not a JSON object"),
+    "no event name": (b'{"step": 3}', "no event name"),
+    "step a string": (b'{"event": "oom", "step": "five", "seconds": 1.0}', "step"),
+    "step null": (b'{"event": "recovered", "step": null}', "step"),
+    "step a float": (b'{"event": "recovered", "step": 2.5}', "step"),
+    "fallback without rung": (b'{"event": "fallback", "step": 2}', "fallback without a rung"),
+    "fallback with empty rung": (b'{"event": "fallback", "step": 2, "rung": ""}', "fallback without a rung"),
+    "fallback with list rung": (b'{"event": "fallback", "step": 2, "rung": ["amp"]}', "fallback without a rung"),
+    "relax without rung": (b'{"event": "relax", "step": 4, "outcome": "held"}', "relax without a rung"),
+    "memory a string": (b'{"event": "oom", "step": 3, "memory": "lots", "seconds": 1.0}', "memory"),
+    "memory figure a string": (
+        b'{"event": "progress", "step": 3, "memory": {"peak": "big", "allocated": 1}, "steps_by_rung": {}}',
+        "memory",
+    ),
+    "progress without memory": (b'{"event": "progress", "step": 3, "steps_by_rung": {"none": 3}}', "memory"),
+    "seconds a string": (b'{"event": "oom", "step": 3, "seconds": "slow"}', "seconds"),
+    "seconds NaN": (b'{"event": "oom", "step": 3, "seconds": NaN}', "seconds"),
+    "steps_by_rung a list": (
+        b'{"event": "progress", "step": 3, "memory": {"peak": 1, "allocated": 1}, "steps_by_rung": [1, 2]}',
+        "steps_by_rung",
+    ),
+    "steps_by_rung of strings": (
+        b'{"event": "progress", "step": 3, "memory": {"peak": 1, "allocated": 1}, "steps_by_rung": {"amp": "x"}}',
+        "steps_by_rung",
+    ),
+}
+
+
+def _write(path: Path, lines: list[bytes]) -> Path:
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    return path
+
+
+def _good_lines() -> list[bytes]:
+    return [json.dumps(event).encode() for event in GOOD]
+
+
+def _report(path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
+    status = main(["report", str(path), *extra])
+    captured = capsys.readouterr()
+    assert status == 0 and "Traceback" not in captured.err
+    return captured.out
+
+
+@pytest.fixture
+def clean_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    """The report of the undamaged log: what the good events of any damaged one must add up to."""
+    out = _report(_write(tmp_path / "clean.jsonl", _good_lines()), capsys)
+    assert "3 out-of-memory error(s)" in out and "| micro_batch | 1 | 4 |" in out and "skipped" not in out
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED))
+def test_the_report_skips_a_damaged_line_and_says_why(
+    case: str, clean_table: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line, reason = DAMAGED[case]
+    good = _good_lines()
+    log = _write(tmp_path / "damaged.jsonl", [*good[:5], line, *good[5:]])
+    out = _report(log, capsys)
+    assert out.startswith(clean_table + "\n")  # the good events add up as without the damage; then one more line
+    skipped = out.removeprefix(clean_table + "\n")
+    assert skipped.count("\n") == 1 and skipped.startswith("1 unreadable line(s) skipped: 1 ") and reason in skipped
+
+
+def test_the_report_of_a_log_with_every_kind_of_damage_counts_the_good_events_and_plots_them(
+    clean_table: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    damaged = [line for line, _ in DAMAGED.values()]
+    lines = [part for pair in zip(_good_lines(), damaged, strict=False) for part in pair] + damaged[len(GOOD) :]
+    log = _write(tmp_path / "damaged.jsonl", [b"", *lines, b"   "])  # blank lines are not damage
+    png = tmp_path / "memory.png"
+    out = _report(log, capsys, "--plot", str(png))
+    head = f"{clean_table}\nPlot written to {png}.\n\n"
+    assert out.startswith(head)  # the table as without the damage, the plot, and the skipped lines last
+    skipped = out.removeprefix(head)
+    assert skipped.count("\n") == 1 and skipped.startswith(f"{len(DAMAGED)} unreadable line(s) skipped: ")
+    for reason in ("not UTF-8", "not JSON", "not a JSON object", "fallback without a rung", "step"):
+        assert reason in skipped
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_a_log_the_guard_writes_has_nothing_to_skip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    snap = MemorySnapshot("simulated", allocated=10 * MiB, reserved=12 * MiB, peak=20 * MiB, capacity=None)
+    failure = FailureSummary("OutOfMemoryError", "out of memory", Phase.BACKWARD, 1, None, snap)
+    sink = JsonlSink(tmp_path / "guard.jsonl")
+    for event in (
+        ProgressEvent(0, {}, snap, loss=2.0, bucket=0, steps_by_rung={"none": 1}),
+        OOMEvent(1, {}, snap, attempt=1, rung=None, error=failure, memory_after_recovery=snap, seconds=0.1),
+        FallbackEvent(1, {}, snap, rung="micro_batch", previous_plan={}, memory_at_failure=snap, description="x"),
+        RecoveredEvent(1, {}, snap, rungs=("micro_batch",), ooms=1, seconds_lost=0.1, description="x"),
+        RelaxEvent(
+            2, {}, snap, rung="micro_batch", previous_plan={}, outcome="held", next_try_after=0, description="x"
+        ),
+        ExhaustedEvent(3, {}, snap, reason="ladder", ooms=1, tried=({},)),
+        ProgressEvent(3, {}, snap, loss=1.0, bucket=0, steps_by_rung={"none": 2, "micro_batch": 2}),
+    ):
+        sink(event)
+    out = _report(sink.path, capsys, "--plot", str(tmp_path / "guard.png"))
+    assert "4 steps logged (1 run(s)), 1 out-of-memory error(s), 1 batch(es) given up" in out
+    assert "skipped" not in out and (tmp_path / "guard.png").is_file()
+
+
+_LLAMA = {
+    "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+}  # fmt: skip
+
+#: Invalid configs: the file's bytes, and what the one-line answer must say.
+BAD_CONFIGS: dict[str, tuple[bytes, str]] = {
+    "a JSON list": (b'[{"model_type": "llama"}]', "not a JSON object"),
+    "a JSON string": (b'"llama"', "not a JSON object"),
+    "not JSON": (b"\xff\xfe garbage {", "not JSON"),
+    "nested too deep": (b"[" * 100_000, "not JSON"),
+    "a negative size": (json.dumps({**_LLAMA, "hidden_size": -1}).encode(), "hidden_size must be a positive int"),
+    "a zero size": (json.dumps({**_LLAMA, "num_hidden_layers": 0}).encode(), "num_hidden_layers must be a positive"),
+    "a size of the wrong type": (json.dumps({**_LLAMA, "num_hidden_layers": "two"}).encode(), "num_hidden_layers"),
+    "a size that is a bool": (json.dumps({**_LLAMA, "vocab_size": True}).encode(), "vocab_size"),
+    "a null vocabulary": (json.dumps({**_LLAMA, "vocab_size": None}).encode(), "vocab_size"),
+    "an unknown model_type": (json.dumps({**_LLAMA, "model_type": "nosuchmodel"}).encode(), "'nosuchmodel'"),
+    "not a causal LM": (json.dumps({"model_type": "t5"}).encode(), "causal"),
+    "heads that do not divide": (json.dumps({**_LLAMA, "hidden_size": 10, "num_attention_heads": 3}).encode(), "10"),
+    "an unknown activation": (json.dumps({**_LLAMA, "hidden_act": "nosuch"}).encode(), "nosuch"),
+    "a rope_theta of the wrong type": (json.dumps({**_LLAMA, "rope_theta": "x"}).encode(), "model"),
+}
+_PLAN_ARGS = ["--gpu-memory", "80GiB", "--batch-size", "1", "--seq-len", "16"]
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_plan_of_an_invalid_config_is_one_line_and_status_2(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    content, expected = BAD_CONFIGS[case]
+    path = tmp_path / "config.json"
+    path.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", str(path), *_PLAN_ARGS])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert err.count("\n") == 1 and err.startswith(f"oomguard plan: {path}") and expected in err, err
+    assert "Traceback" not in err and len(err) < 400
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_the_plan_api_raises_value_error_for_an_invalid_config(case: str, tmp_path: Path) -> None:
+    content, expected = BAD_CONFIGS[case]
+    path = tmp_path / "config.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=str(path)) as raised:
+        plan(path, gpu_memory="80GiB", batch_size=1, seq_len=16)
+    assert expected in str(raised.value)
+
+
+def test_an_invalid_config_dict_names_itself() -> None:
+    with pytest.raises(ValueError, match="the config dict: hidden_size must be a positive int, got -1"):
+        plan({**_LLAMA, "hidden_size": -1}, gpu_memory="80GiB", batch_size=1, seq_len=16)
+
+
+def test_other_bad_plan_arguments_also_exit_with_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="unknown model 'gpt-5'") as exit_info:
+        main(["plan", "--model", "gpt-5"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.startswith("oomguard plan: unknown model 'gpt-5'")
+
+
+@pytest.mark.parametrize(
+    ("fields", "answer"),
+    [
+        ({"hidden_size": -1}, "hidden_size must be a positive int, got -1; set it to the model's real size"),
+        (  # transformers logs a warning about this one before it fails: that is not ours to print
+            {"rope_scaling": {"rope_type": "bogus"}},
+            "transformers cannot build a llama model from it: KeyError: 'bogus'; fix the config's fields",
+        ),
+    ],
+)
+def test_the_command_exits_2_with_one_line_on_stderr(fields: dict[str, Any], answer: str, tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_LLAMA, **fields}))
+    done = subprocess.run(
+        [sys.executable, "-m", "oomguard", "plan", "--model", str(path), *_PLAN_ARGS],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.splitlines() == [f"oomguard plan: {path}: {answer}"]
