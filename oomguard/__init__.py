@@ -35,6 +35,7 @@ from oomguard._events import (
     ProgressEvent,
     RecoveredEvent,
     RelaxEvent,
+    StateFileEvent,
 )
 from oomguard._guard.guard import OOMGuard
 from oomguard._guard.results import GuardSummary, StepResult
@@ -76,6 +77,7 @@ __all__ = [
     "RelaxEvent",
     "Rung",
     "RungContext",
+    "StateFileEvent",
     "StepResult",
     "StepRollbackError",
     "batch_size",

@@ -88,8 +88,11 @@ def oom_guard(fn: Callable[[Any], Any] | None = None, /, **options: Any) -> Any:
         sinks: callables that receive every event object.
         step_journal: ``"auto"`` journals optimizer steps that may not fit (the first, and any without
             headroom) so a failure can be undone; ``"always"`` journals every step; ``"never"`` none.
-        state_file: remember each batch bucket's plan in this JSON file (written atomically on every change),
-            so a restart starts on the plans that fitted. Missing, corrupt or foreign files are ignored.
+        state_file: remember each batch bucket's plan in this JSON file (written atomically, under a file lock,
+            on every change), so a restart starts on the plans that fitted. Missing, corrupt or foreign files are
+            ignored with one warning; a file that cannot be written never fails a call (a ``state_file`` event
+            says so and the save is retried). Several jobs may share one file; it keeps the most recent plans.
+            It must not be the ``log_file``.
         relax_after: after this many consecutive clean steps on a degraded plan, try the plan one rung up once;
             if it runs out of memory, go back and wait twice as long before the next try. ``None``: never.
         predictive: size micro-batches from the measured peaks of successful steps instead of halving blindly.

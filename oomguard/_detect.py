@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_fatal_device_error", "is_oom"]
+__all__ = ["is_fatal_device_error", "is_oom", "names_an_allocator"]
 
 # Messages that mean "an allocation failed". Matched only on RuntimeError (and MemoryError by type), so a
 # user's KeyError("out of memory") is never mistaken for one.
-_OOM_PATTERNS = re.compile(
+_ALLOCATOR_PATTERNS = re.compile(
     "|".join(
         (
-            r"\bout of memory\b",  # CUDA/HIP/XPU caching allocators, "CUDA error: out of memory"
+            r"\b(?:CUDA|HIP|XPU|NPU)\b[^\n]*\bout of memory\b",  # the caching allocators, "CUDA error: out of memory"
             r"MPS backend out of memory",
             r"DefaultCPUAllocator: can't allocate memory",
             r"DefaultCPUAllocator: not enough memory",  # the Windows spelling
@@ -40,6 +40,8 @@ _OOM_PATTERNS = re.compile(
     ),
     re.IGNORECASE,
 )
+# Any other "out of memory" text: an allocator somewhere, or a library's or a user's own words for it.
+_OOM_PATTERNS = re.compile(rf"{_ALLOCATOR_PATTERNS.pattern}|\bout of memory\b", re.IGNORECASE)
 
 # Errors that leave the device unusable: never retried, even when an OOM is also in the chain.
 _FATAL_PATTERNS = re.compile(
@@ -62,8 +64,8 @@ _FATAL_PATTERNS = re.compile(
 _GROUP: Any = getattr(builtins, "BaseExceptionGroup", None)  # Python 3.11+
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
-    """The exception, its causes and contexts, and the members of exception groups, each once.
+def chain(exc: BaseException, contexts: bool = True) -> list[BaseException]:
+    """The exception, its causes and (with ``contexts``) contexts, and the members of exception groups, each once.
 
     A context hidden with ``raise ... from None`` is not followed: its author chose to replace it.
     """
@@ -78,7 +80,7 @@ def _chain(exc: BaseException) -> list[BaseException]:
             todo.extend(current.exceptions)
         if current.__cause__ is not None:
             todo.append(current.__cause__)
-        if current.__context__ is not None and not current.__suppress_context__:
+        if contexts and current.__context__ is not None and not current.__suppress_context__:
             todo.append(current.__context__)
     return list(seen.values())
 
@@ -93,7 +95,7 @@ def is_fatal_device_error(exc: BaseException) -> bool:
     >>> is_fatal_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
     True
     """
-    return any(_message_matches(e, _FATAL_PATTERNS) for e in _chain(exc))
+    return any(_message_matches(e, _FATAL_PATTERNS) for e in chain(exc))
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -101,10 +103,11 @@ def is_oom(exc: BaseException) -> bool:
 
     True for ``torch.OutOfMemoryError`` (CUDA, and any backend that raises it), for ``MemoryError``, and for
     ``RuntimeError`` messages of the HIP, XPU, MPS and CPU allocators and of cuBLAS, cuDNN, cuFFT, cuSOLVER
-    and cuSPARSE allocation failures, found on ``exc`` itself or anywhere in its ``__cause__`` /
-    ``__context__`` chain. False for ``KeyboardInterrupt`` and other non-``Exception`` errors, and for any
-    chain that contains a fatal device error (illegal memory access, device-side assert...): those leave the
-    device unusable and must propagate.
+    and cuSPARSE allocation failures, found on ``exc`` itself or down its ``__cause__`` chain (``raise ...
+    from``). The error raised is what counts: one raised *while handling* an OOM (its ``__context__``), such as
+    a step's own fallback that fails, is not an OOM. False for ``KeyboardInterrupt`` and other non-``Exception``
+    errors, and for any chain, contexts included, that holds a fatal device error (illegal memory access,
+    device-side assert...): those leave the device unusable and must propagate.
 
     >>> is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     True
@@ -115,9 +118,22 @@ def is_oom(exc: BaseException) -> bool:
     """
     if not isinstance(exc, Exception):
         return False
-    chain = _chain(exc)
-    if any(_message_matches(e, _FATAL_PATTERNS) for e in chain):
+    if is_fatal_device_error(exc):
         return False
     return any(
-        isinstance(e, (torch.OutOfMemoryError, MemoryError)) or _message_matches(e, _OOM_PATTERNS) for e in chain
+        isinstance(e, (torch.OutOfMemoryError, MemoryError)) or _message_matches(e, _OOM_PATTERNS)
+        for e in chain(exc, contexts=False)
+    )
+
+
+def names_an_allocator(exc: BaseException) -> bool:
+    """Whether an OOM is an allocator's own: an out-of-memory error type, or a message that names the device or
+    library that failed (not just the words "out of memory", which a library or a user may raise for anything).
+
+    >>> names_an_allocator(RuntimeError("CUDA error: out of memory")), names_an_allocator(RuntimeError("out of memory"))
+    (True, False)
+    """
+    return any(
+        isinstance(e, (torch.OutOfMemoryError, MemoryError)) or _message_matches(e, _ALLOCATOR_PATTERNS)
+        for e in chain(exc, contexts=False)
     )

@@ -4,12 +4,16 @@ Each event is a frozen dataclass with ``to_dict()``; sinks are plain callables t
 writes every event as one JSON line to ``log_file`` (if given), calls the user's sinks, and logs one readable
 line on the ``oomguard`` logger. On the happy path only a ``progress`` event every ``log_every`` steps is written
 (logged at DEBUG).
+
+The log file is strict JSON (what ``jq`` and log shippers accept): a NaN or infinite number, a diverged loss say,
+is written as ``null`` and named, by its dotted path, in the event's ``"non_finite"`` object.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,6 +35,7 @@ __all__ = [
     "ProgressEvent",
     "RecoveredEvent",
     "RelaxEvent",
+    "StateFileEvent",
 ]
 
 logger = logging.getLogger("oomguard")
@@ -53,6 +58,10 @@ class FailureSummary:
     ) -> FailureSummary:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return cls(type(exc).__name__, message[:500], phase, micro_batch, requested_bytes(str(exc)), memory)
+
+    def same_error(self, other: FailureSummary) -> bool:
+        """Whether ``other`` is the same error: its type and message."""
+        return (self.error_type, self.message) == (other.error_type, other.message)
 
     def describe(self) -> str:
         where = (
@@ -195,6 +204,28 @@ class ExhaustedEvent(Event):
         return f"step {self.step}: giving up on this batch ({self.reason}) after {self.ooms} OOM(s)"
 
 
+@dataclass(frozen=True)
+class StateFileEvent(Event):
+    """Saving plans to the state file ``path`` failed (``error`` says why), or works again (``error`` is None).
+
+    A save follows a committed step, so a failure never fails the call: training goes on with the plans in
+    memory and the save is retried. Sent once when saving starts failing and once when it works again, not per
+    call. Logged at WARNING while failing, at INFO on recovery.
+    """
+
+    kind: ClassVar[str] = "state_file"
+    path: str
+    error: str | None
+    description: str  # what it means for the job, and what to do
+
+    def describe(self) -> str:
+        if self.error is not None:
+            text = f"step {self.step}: cannot save plans to the state file {self.path} ({self.error})"
+        else:
+            text = f"step {self.step}: the plans are saved to the state file {self.path} again"
+        return f"{text}: {self.description}" if self.description else text
+
+
 EventSink = Callable[[Event], None]
 
 
@@ -212,12 +243,49 @@ class JsonlSink:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def __call__(self, event: Event) -> None:
-        line = json.dumps(event.to_dict(), default=str, sort_keys=False)
+        replaced: dict[str, str] = {}
+        data = _finite(event.to_dict(), "", replaced)
+        if replaced:  # strict JSON has no NaN or Infinity: null, and a note of what each stood for
+            data["non_finite"] = replaced
+        line = json.dumps(data, default=str, sort_keys=False, allow_nan=False)
         with self.path.open("a", encoding="utf-8") as log:
             log.write(line + "\n")
 
 
+def _finite(value: Any, path: str, replaced: dict[str, str]) -> Any:
+    """``value`` with every NaN or infinite float replaced by None, each recorded in ``replaced`` by its dotted
+    path (list items by their index)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        replaced[path] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        return None
+    if isinstance(value, dict):
+        return {_key(k): _finite(item, _dotted(path, k), replaced) for k, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item, _dotted(path, i), replaced) for i, item in enumerate(value)]
+    return value
+
+
+def _dotted(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _key(key: Any) -> Any:
+    """A dict key strict JSON can hold (a non-finite float key becomes its text)."""
+    return str(key) if isinstance(key, float) and not math.isfinite(key) else key
+
+
+_LEVELS = {
+    "oom": logging.WARNING,
+    "fallback": logging.WARNING,
+    "exhausted": logging.ERROR,
+    "progress": logging.DEBUG,
+    "state_file": logging.WARNING,
+}
+
+
 def log_event(event: Event) -> None:
-    """One readable line on the ``oomguard`` logger (progress lines at DEBUG)."""
-    level = {"oom": logging.WARNING, "fallback": logging.WARNING, "exhausted": logging.ERROR, "progress": logging.DEBUG}
-    logger.log(level.get(event.kind, logging.INFO), "%s", event.describe())
+    """One readable line on the ``oomguard`` logger (progress lines at DEBUG; a state file saved again at INFO)."""
+    level = _LEVELS.get(event.kind, logging.INFO)
+    if isinstance(event, StateFileEvent) and event.error is None:
+        level = logging.INFO
+    logger.log(level, "%s", event.describe())

@@ -10,6 +10,7 @@ planner both run steps through the runner :func:`build_runner` assembles.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,7 @@ class GuardOptions:
             raise GuardConfigError(f"max_recovery_seconds must be positive or None, got {self.max_recovery_seconds!r}")
         _check_optional_positive_int("relax_after", self.relax_after)
         _check_optional_positive_int("log_every", self.log_every)
+        _check_distinct_files(self.log_file, self.state_file)
         object.__setattr__(self, "rungs", resolve_ladder(self.ladder))
 
 
@@ -128,6 +130,29 @@ def _refuse_sharded(model: torch.nn.Module) -> None:
 def _check_optional_positive_int(name: str, value: int | None) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise GuardConfigError(f"{name} must be an int >= 1 or None, got {value!r}")
+
+
+def _check_distinct_files(log_file: str | Path | None, state_file: str | Path | None) -> None:
+    """One file for both would be appended to as a log and replaced as a state file: each would destroy the
+    other's contents, so refuse it before the first call."""
+    if log_file is None or state_file is None:
+        return
+    log, state = _absolute(log_file), _absolute(state_file)
+    if log == state:
+        raise GuardConfigError(
+            f"log_file= and state_file= are the same file ({log}): events appended to it would make the state "
+            f"file unreadable, and every saved plan would replace the event log. Give them different paths, e.g. "
+            f"log_file='oomguard.jsonl' and state_file='oomguard-plans.json'"
+        )
+
+
+def _absolute(path: str | Path) -> Path:
+    """``path`` made absolute, with ``~``, ``..`` and symbolic links resolved where they can be."""
+    expanded = Path(path).expanduser()
+    try:
+        return expanded.resolve()
+    except (OSError, RuntimeError):  # a symlink loop, say: compare the plain absolute paths
+        return Path(os.path.abspath(expanded))
 
 
 def takes_options(

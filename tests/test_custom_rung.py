@@ -204,3 +204,9 @@ def test_a_custom_rung_cannot_take_the_name_of_a_built_in_one() -> None:
     with pytest.raises(ValueError, match="that name is the built-in rung's"):
         resolve_ladder(["micro_batch", Impostor()])
     assert resolve_ladder([MicroBatch(min_size=2)]).names == ("micro_batch",), "the built-in class itself is fine"
+
+
+def test_a_plan_field_of_the_wrong_type_is_refused() -> None:
+    """Found in review: a state file with ``"activation_offload": "no"`` loaded as a truthy plan."""
+    with pytest.raises(ValueError, match="activation_offload must be True or False"):
+        Plan.from_dict({"activation_offload": "no"})

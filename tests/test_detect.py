@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from oomguard import is_fatal_device_error, is_oom
+from oomguard._detect import names_an_allocator
 
 # Python 3.11+ only; looked up at run time so the module still imports on 3.10.
 ExceptionGroup = getattr(builtins, "ExceptionGroup", None)
@@ -90,9 +91,6 @@ OOM_CASES = [
         raised_from(RuntimeError(CPU_OOM), RuntimeError("wrapper: could not run the layer")),
         id="RuntimeError-from-cpu-OOM-message",
     ),
-    pytest.param(
-        raised_while_handling(torch.OutOfMemoryError(CUDA_OOM), TypeError("cleanup failed")), id="OOM-as-context"
-    ),
     pytest.param(raised_from(raised_from(MemoryError(), KeyError("k")), ValueError("outer")), id="OOM-two-links-down"),
 ]
 
@@ -103,6 +101,15 @@ NOT_OOM_CASES = [
     pytest.param(RuntimeError("shape mismatch: value tensor of shape [2] cannot be broadcast"), id="shape-mismatch"),
     pytest.param(RuntimeError("Expected all tensors to be on the same device"), id="device-mismatch"),
     pytest.param(KeyboardInterrupt(), id="KeyboardInterrupt"),
+    # The error raised is what counts, not the OOM it was raised while handling (a step's own fallback that
+    # fails): it propagates as itself rather than being retried down the ladder. (It counted as an OOM before.)
+    pytest.param(
+        raised_while_handling(torch.OutOfMemoryError(CUDA_OOM), TypeError("cleanup failed")), id="OOM-as-context"
+    ),
+    pytest.param(
+        raised_while_handling(torch.OutOfMemoryError(CUDA_OOM), ValueError("no smaller model to fall back to")),
+        id="user-fallback-failing-in-its-except-block",
+    ),
     pytest.param(
         raised_while_handling(torch.OutOfMemoryError(CUDA_OOM), KeyboardInterrupt()),
         id="KeyboardInterrupt-with-OOM-context",
@@ -229,3 +236,20 @@ def test_real_cpu_allocator_failure_wrapped_by_a_library() -> None:
     with pytest.raises(ValueError, match="embedding table") as caught:
         load()
     assert is_oom(caught.value) is True
+
+
+@pytest.mark.parametrize(
+    ("error", "named"),
+    [
+        (torch.OutOfMemoryError(CUDA_OOM), True),
+        (RuntimeError("CUDA error: out of memory"), True),
+        (RuntimeError("HIP out of memory. Tried to allocate 2.00 MiB"), True),
+        (RuntimeError(CPU_OOM), True),
+        (MemoryError(), True),
+        (RuntimeError("out of memory"), False),
+        (RuntimeError("my cache ran out of memory, giving up"), False),
+    ],
+)
+def test_an_allocator_names_itself_where_a_bare_out_of_memory_does_not(error: BaseException, named: bool) -> None:
+    assert is_oom(error)
+    assert names_an_allocator(error) is named

@@ -77,6 +77,11 @@ class Effect:
         """This effect's saved-tensor hooks for one forward, if ``plan`` needs them."""
         return None
 
+    @property
+    def holds(self) -> bool:
+        """Whether the model is changed by this effect now (then no other guard may take the model)."""
+        return False
+
     def after_backward(self) -> None:
         """The last micro-batch's backward is done: hand over what clipping and the optimizer step need."""
 

@@ -46,6 +46,10 @@ class CheckpointingEffect(Effect):
             self._mode = plan.checkpointing
         return True
 
+    @property
+    def holds(self) -> bool:
+        return self._mode is not None
+
     def close(self) -> None:
         if self._undo is not None:
             self._undo()

@@ -10,28 +10,37 @@ It also keeps the fp16 loss scale of the last committed step, from which each fp
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from oomguard._backends.memory import MemoryBackend
+from oomguard._detect import is_oom
 from oomguard._effects.activations import ActivationOffloadEffect
 from oomguard._effects.base import Effect, EffectTarget, Packer
 from oomguard._effects.checkpointing import CheckpointingEffect
 from oomguard._effects.layers import LayerOffloadEffect
 from oomguard._effects.precision import AutocastEffect
 from oomguard._errors import GuardConfigError
+from oomguard._events import logger
 from oomguard._ladder.plan import Plan
 from oomguard._ladder.rungs import Rung
 
 __all__ = ["Effects"]
 
 
+# Each model changed by a guard's effects, and that guard's effects: a second guard on the model would fight the
+# first (streamed blocks' gradients going to the first one's host buffers), so it is refused.
+_HOLDERS: weakref.WeakKeyDictionary[torch.nn.Module, Effects] = weakref.WeakKeyDictionary()
+
+
 class Effects:
     """Applies plans to one model and optimizer, through one effect per rung."""
 
     def __init__(self, target: EffectTarget, rungs: Iterable[Rung] = ()) -> None:
+        _refuse_if_held(target.model, self)
         self.target = target
         self._layers = LayerOffloadEffect(target)
         # Layer offload before activation offload: its saved-tensor hook must see the copies of streamed weights
@@ -57,8 +66,18 @@ class Effects:
         """
         for effect in self._effects:
             effect.check(plan)
-        changed = [effect.apply(plan, backend) for effect in self._effects]  # every one, in order
+        _refuse_if_held(self.target.model, self)
+        try:
+            changed = [effect.apply(plan, backend) for effect in self._effects]  # every one, in order
+        finally:
+            self._hold_while_changed()
         return any(changed)
+
+    def _hold_while_changed(self) -> None:
+        if any(effect.holds for effect in self._effects):
+            _HOLDERS[self.target.model] = self
+        elif _HOLDERS.get(self.target.model) is self:
+            del _HOLDERS[self.target.model]
 
     @property
     def offloaded_layers(self) -> int:
@@ -104,10 +123,41 @@ class Effects:
         for effect in self._effects:
             effect.reset()
 
+    def undo(self, logged: bool = False) -> str | None:
+        """:meth:`close`, for a guard that gives up or is dropped: what could not be undone (offloaded blocks that
+        could not come back, for want of memory) is returned, and ``logged`` too, rather than raised."""
+        try:
+            self.close()
+            return None
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+        left = (  # outside the except block: the failed restore's frames are gone
+            f"{self.offloaded_layers} offloaded block(s) could not be brought back to the device (out of memory): "
+            f"the model is still the guard's, as its plan had it; call guard.close() once memory allows"
+        )
+        if logged:
+            logger.warning("oomguard: %s", left)
+        return left
+
     def close(self) -> None:
         """Undo every effect: hooks removed, offloaded tensors back on the device, checkpointing off."""
-        for effect in reversed(self._effects):
-            effect.close()
+        try:
+            for effect in reversed(self._effects):
+                effect.close()
+        finally:
+            self._hold_while_changed()
+
+
+def _refuse_if_held(model: torch.nn.Module, effects: Effects) -> None:
+    holder = _HOLDERS.get(model)
+    if holder is not None and holder is not effects:
+        raise GuardConfigError(
+            f"another guard has changed this {type(model).__name__} (offloaded layers or checkpointing that only "
+            f"it can undo): two guards on one model would undo each other's work. Call close() on the other "
+            f"guard first (a guard that was dropped without undoing its changes, for want of memory, is closed "
+            f"when it is garbage-collected), or keep one guard per model"
+        )
 
 
 def _made(make: Any, target: EffectTarget, rung: Rung) -> Effect:

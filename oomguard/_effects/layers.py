@@ -293,6 +293,10 @@ class LayerOffloadEffect(Effect):
         """How many blocks are offloaded now."""
         return len(self._layers.blocks) if self._layers is not None else 0
 
+    @property
+    def holds(self) -> bool:
+        return self.offloaded > 0
+
     def check(self, plan: Plan) -> None:
         blocks = len(self.target.blocks)
         if plan.offload_layers > blocks:

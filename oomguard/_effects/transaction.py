@@ -19,6 +19,11 @@ The transaction has two paths:
 
 Host copies are kept between journaled steps (pinned buffers are expensive to make on CUDA) and released once
 the fast path takes over.
+
+An interrupt never splits a step: SIGINT and SIGTERM are held while the step runs (:mod:`.interrupts`). One that
+arrives during a journaled step undoes it and is then delivered (nothing committed); one that arrives during a
+fast step is delivered by the guard once the step is committed and counted. An interrupt raised by code inside
+a fast step (not a signal) propagates as itself; the guard then refuses to train on the half-stepped model.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 from oomguard._backends.memory import MemoryBackend
 from oomguard._detect import is_oom
 from oomguard._distributed.peers import Agree, peer_failure
+from oomguard._effects.interrupts import Interrupts
 from oomguard._errors import StepRollbackError
 from oomguard._ladder.plan import Phase
 
@@ -58,9 +64,15 @@ class OptimizerTransaction:
         self.optimizer = optimizer
         self.journal: JournalMode = journal
         self._bound: int | None = None  # upper bound of the transient memory of the last step, in bytes
+        self._undone = False  # whether the last journaled step was undone
         self._host: dict[int, torch.Tensor] = {}  # id(device tensor) -> reusable host copy
         #: How many steps took the journaled path (for tests and diagnostics).
         self.journaled_steps = 0
+        #: Shutdown signals held while a step runs (the guard delivers those that arrived during a fast step).
+        self.interrupts = Interrupts()
+        #: Why the optimizer can no longer be trusted: a fast step was interrupted half-way. Every later step
+        #: refuses with this.
+        self.broken: str | None = None
 
     def invalidate(self) -> None:
         """Forget the measured transient memory (the plan changed): the next step is journaled again."""
@@ -112,17 +124,29 @@ class OptimizerTransaction:
         forces the journal (some rank may need to undo). ``run`` replaces the step itself (an integration that
         steps through its own wrapper, such as Accelerate's optimizer).
         """
+        if self.broken is not None:
+            raise StepRollbackError(self.broken)
         params = self._params()
         before = backend.memory_allocated()
-        run = run or self._runner(scheduler, scaler)
-        if allow_fast and self._may_skip_journal(backend, params):
-            self._host.clear()
-            self._fast_step(params, run, agree)
-        else:
-            self._journaled_step(backend, params, run, scheduler, agree)
+        run = run or self._runner(backend, scheduler, scaler)
+        committed = False
+        try:
+            with self.interrupts.held():
+                if allow_fast and self._may_skip_journal(backend, params):
+                    self._host.clear()
+                    self._fast_step(params, run, agree)
+                    committed = True
+                else:
+                    self._journaled_step(backend, params, run, scheduler, agree)
+                    committed = not self._undone
+        finally:
+            if not committed:  # nothing was committed: a signal held meanwhile is acted on now
+                self.interrupts.deliver()
         self._measure(backend, before, params)
 
-    def _runner(self, scheduler: Scheduler | None, scaler: torch.amp.GradScaler | None) -> Callable[[], None]:
+    def _runner(
+        self, backend: MemoryBackend, scheduler: Scheduler | None, scaler: torch.amp.GradScaler | None
+    ) -> Callable[[], None]:
         def run() -> None:
             if scaler is not None:
                 scaler.step(self.optimizer)  # skips the step on inf/nan gradients, the standard way
@@ -130,18 +154,29 @@ class OptimizerTransaction:
             else:
                 self.optimizer.step()
             if scheduler is not None:
-                scheduler.step()
+                _scheduler_step(scheduler, backend)
 
         return run
 
     def _fast_step(self, params: list[torch.Tensor], run: Callable[[], None], agree: Agree | None) -> None:
+        self._undone = False
         tensors = self._mutable_tensors(params)
         versions = [t._version for t in tensors]
         try:
             run()
         except BaseException as exc:
             changed = sum(t._version != v for t, v in zip(tensors, versions, strict=True))
-            if agree is not None and isinstance(exc, Exception):
+            if not isinstance(exc, Exception):  # an interrupt raised inside the step: it stays itself
+                if changed:
+                    self.broken = (
+                        f"the optimizer step was interrupted by {type(exc).__name__} after changing {changed} of "
+                        f"{len(tensors)} parameter/state tensors, on a step run without a journal: the model is "
+                        f"half-stepped, so the guard refuses to train on. Restore from a checkpoint; pass "
+                        f"step_journal='always' to oom_guard to make every step undoable."
+                    )
+                    _add_note(exc, f"oomguard: {self.broken}")
+                raise
+            if agree is not None:
                 agree("fatal")  # the other ranks stepped without a journal: nobody can undo
             if changed or agree is not None:
                 raise StepRollbackError(
@@ -167,6 +202,7 @@ class OptimizerTransaction:
         agree: Agree | None,
     ) -> None:
         self.journaled_steps += 1
+        self._undone = False
         optimizer = self.optimizer
         # Structure: which params have state and which keys each state holds (shallow: tensors are shared).
         entries = {p: dict(optimizer.state[p]) for p in params if p in optimizer.state}
@@ -179,6 +215,7 @@ class OptimizerTransaction:
         self._host = {id(t): c for t, c in zip(tensors, copies, strict=True)}
 
         def undo() -> None:
+            self._undone = True
             for t, c in zip(tensors, copies, strict=True):
                 with torch.no_grad():
                     t.copy_(c, non_blocking=True)
@@ -204,6 +241,8 @@ class OptimizerTransaction:
         if outcome != "ok":
             undo()
             raise peer_failure(outcome, Phase.OPTIMIZER)
+        if self.interrupts.pending:  # a signal arrived during the step: nothing is committed, then it is delivered
+            undo()
 
     def _measure(self, backend: MemoryBackend, before: int, params: list[torch.Tensor]) -> None:
         if backend.tracks_allocations:
@@ -211,3 +250,26 @@ class OptimizerTransaction:
             self._bound = max(0, backend.max_memory_allocated() - before)
         else:
             self._bound = _UNTRACKED_BOUND_FACTOR * sum(p.numel() * p.element_size() for p in params)
+
+
+def _scheduler_step(scheduler: Scheduler, backend: MemoryBackend) -> None:
+    """The scheduler's step, once the optimizer has stepped. It allocates next to nothing, but on a fast step the
+    optimizer step is already committed, so an OOM here must not leave the schedule a step behind: its state is
+    put back, the cache emptied, and it steps once more."""
+    saved = scheduler.state_dict()
+    try:
+        scheduler.step()
+        return
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+    scheduler.load_state_dict(saved)  # outside the except block: the failed attempt's frames are gone
+    backend.empty_cache()
+    scheduler.step()
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` where Python prints notes (3.11 and later)."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(note)

@@ -2,18 +2,40 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from oomguard._distributed.agreement import Agreement
 from oomguard._effects.transaction import OptimizerTransaction
+from oomguard._errors import GuardConfigError
 from oomguard._guard.recovery import Call
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._step.runner import AttemptOutput, Reduction, StepRunner
 
-__all__ = ["Attempt", "OptimizerStep", "Run"]
+__all__ = ["Attempt", "OneCallAtATime", "OptimizerStep", "Run"]
 
 T = TypeVar("T")
+
+
+class OneCallAtATime:
+    """Held by the thread running a call. A call from another thread meanwhile is refused: two calls would
+    interleave their zero_grad, backward and optimizer steps. (The Trainer's optimizer step replays its batch
+    through a call on the same thread, so the lock is re-entrant.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise GuardConfigError(
+                "this guard is already running a step in another thread: a guard trains one step at a time (its "
+                "calls zero the gradients, backpropagate and step the optimizer). Call it from one thread, or "
+                "serialize the calls with a lock"
+            )
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 class Attempt(Generic[T]):

@@ -10,21 +10,27 @@
   the guard never thrashes. Memory freed by another process is reclaimed this way.
 * **Predictive sizing** (:class:`~oomguard._ladder.predict.PeakModel`): micro-batch sizes come from measured peaks
   where there are any, instead of halving or doubling blindly.
-* **Persistence** (:class:`~oomguard._guard.persist.PlanStore`): every change is written to the state file.
+* **Persistence** (:class:`~oomguard._guard.persist.PlanStore`): every change is written to the state file. A
+  save comes after the optimizer step was committed, so it must never raise: a failed save is reported once
+  (through ``on_save``, or one warning), the plans stay in memory, and every later call whose bucket is unsaved
+  (or that changes a plan) tries again; a save that works after failures is reported too.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from oomguard._backends.memory import MemoryBackend
-from oomguard._guard.persist import PlanStore
+from oomguard._guard.persist import UNSAVED_ADVICE, PlanStore
 from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Plan
 from oomguard._ladder.predict import PeakModel
 
 __all__ = ["Buckets", "Choice"]
+
+logger = logging.getLogger("oomguard")
 
 
 @dataclass
@@ -50,15 +56,31 @@ class Choice:
 
 
 class Buckets:
-    """Plans per bucket, with stepping back up, predictive sizing and persistence."""
+    """Plans per bucket, with stepping back up, predictive sizing and persistence.
 
-    def __init__(self, ladder: Ladder, relax_after: int | None, predictive: bool, grad_bytes: int) -> None:
+    ``on_save`` hears of the state file's health: it is called with the error when a save fails after the last
+    one succeeded (or the first save fails), and with ``None`` when a save succeeds after failures. Without it,
+    a failure is one warning on the ``oomguard`` logger (the guard passes one that turns them into events,
+    whose log line is then the warning).
+    """
+
+    def __init__(
+        self,
+        ladder: Ladder,
+        relax_after: int | None,
+        predictive: bool,
+        grad_bytes: int,
+        *,
+        on_save: Callable[[OSError | None], None] | None = None,
+    ) -> None:
         self.ladder = ladder
         self.relax_after = relax_after
         self.predictor = PeakModel() if predictive else None
         self.grad_bytes = grad_bytes  # what the peak model takes as fixed when it has one point only
         self.default = Plan()
         self.store: PlanStore | None = None
+        self.on_save = on_save
+        self._save_failing = False  # whether the last save failed (and was reported)
         self._buckets: dict[int, _Bucket] = {}
 
     # -- state ----------------------------------------------------------------------------------------
@@ -81,10 +103,36 @@ class Buckets:
         return self.relax_after if self.relax_after is not None else 0
 
     def _save(self) -> None:
-        if self.store is not None:
+        """Write every bucket's plan to the state file; never raises (the step before it is committed)."""
+        if self.store is None:
+            return
+        try:
             self.store.save(self.plans())
-            for state in self._buckets.values():
-                state.saved = True
+        except Exception as error:  # OSError in practice; whatever it is, a committed step stays committed
+            if not self._save_failing:
+                self._save_failing = True
+                failure = error if isinstance(error, OSError) else OSError(f"{type(error).__name__}: {error}")
+                self._report(failure)
+            return  # the buckets stay unsaved: the next call in any of them tries again
+        for state in self._buckets.values():
+            state.saved = True
+        if self._save_failing:
+            self._save_failing = False
+            self._report(None)
+
+    def _report(self, error: OSError | None) -> None:
+        """Tell ``on_save`` (or, without one, the ``oomguard`` logger) that saving fails, or works again."""
+        if self.on_save is None:
+            path = self.store.path if self.store is not None else None
+            if error is not None:
+                logger.warning("oomguard: cannot save plans to the state file %s (%s): %s", path, error, UNSAVED_ADVICE)
+            else:
+                logger.info("oomguard: the plans are saved to the state file %s again", path)
+            return
+        try:
+            self.on_save(error)
+        except Exception:  # a broken callback must not undo the meaning of a committed step either
+            logger.exception("oomguard: the state-file callback %r failed", self.on_save)
 
     # -- choosing -------------------------------------------------------------------------------------
     def choose(self, bucket: int, size: int, backend: MemoryBackend, per_sample: float) -> Choice:

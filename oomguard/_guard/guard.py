@@ -11,12 +11,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from oomguard._backends.memory import MemoryBackend, MemorySnapshot, current_backend, snapshot
-from oomguard._detect import is_oom
+from oomguard._detect import is_oom, names_an_allocator
 from oomguard._distributed.agreement import Agreement, distributed_active, unwrap
 from oomguard._errors import GuardConfigError, LadderExhausted, OOMGuardError, RecoveryLimitExceeded
 from oomguard._events import (
@@ -30,12 +31,13 @@ from oomguard._events import (
     ProgressEvent,
     RecoveredEvent,
     RelaxEvent,
+    StateFileEvent,
     log_event,
     logger,
 )
-from oomguard._guard.attempts import Attempt, OptimizerStep, Run
+from oomguard._guard.attempts import Attempt, OneCallAtATime, OptimizerStep, Run
 from oomguard._guard.buckets import Buckets, Choice
-from oomguard._guard.persist import PlanStore, model_fingerprint
+from oomguard._guard.persist import UNSAVED_ADVICE, PlanStore, model_fingerprint
 from oomguard._guard.recovery import (
     Bounds,
     Call,
@@ -44,6 +46,7 @@ from oomguard._guard.recovery import (
     device_telemetry,
     free_failed_attempt,
     give_up_message,
+    released,
 )
 from oomguard._guard.results import GuardSummary, StepResult
 from oomguard._guard.tally import Tally
@@ -77,15 +80,21 @@ class OOMGuard:
         self.effects, self.transaction = self._runner.effects, self._runner.transaction
         self._context = model_context(self._runner)
         self._device = next(self.model.parameters()).device
-        self._buckets = Buckets(self.ladder, self.options.relax_after, self.options.predictive, self._runner.grad_bytes)
+        self._buckets = Buckets(
+            self.ladder, self.options.relax_after, self.options.predictive, self._runner.grad_bytes,
+            on_save=self._state_file_saved,
+        )  # fmt: skip
         self._bounds = Bounds(self.options.max_attempts, self.options.max_recovery_seconds)
         self._tally = Tally()
         self._events: collections.deque[Event] = collections.deque(maxlen=_EVENTS_KEPT)
         self._sinks: list[EventSink] = [self._tally, *self.options.sinks]
         self._started = False
+        self._busy = OneCallAtATime()
         self._last: Call | None = None  # the last call that succeeded, without its batch
         self._last_plan = Plan()
         self._plan_rung: str | None = None  # the rung engaged last, named in OOM events
+        # A guard that is dropped undoes what its plan did to the model, as close() does (not at exit).
+        weakref.finalize(self, self.effects.undo, logged=True).atexit = False
 
     # -- public state -----------------------------------------------------------------------------------
     @property
@@ -156,9 +165,20 @@ class OOMGuard:
             replay()
             return self._last_plan  # where the replay settled
 
-        self._recover(call, OptimizerStep(call, self.transaction, run, replan))
+        with self._busy:
+            try:
+                self._recover(call, OptimizerStep(call, self.transaction, run, replan))
+            finally:
+                self.transaction.interrupts.deliver()
 
     def _call(self, batch: Any, *, step: bool, reduction: Reduction | None = None) -> StepResult:
+        with self._busy:
+            try:
+                return self._guarded(batch, step=step, reduction=reduction)
+            finally:  # a shutdown signal held during the optimizer step, acted on once the step is counted
+                self.transaction.interrupts.deliver()
+
+    def _guarded(self, batch: Any, *, step: bool, reduction: Reduction | None) -> StepResult:
         size = batch_size(batch)  # raises BatchSplitError for a batch that could never be split
         backend = current_backend(self._device)
         self._start(backend, batch)
@@ -185,10 +205,13 @@ class OOMGuard:
             except Exception as exc:
                 if isinstance(exc, OOMGuardError) or not is_oom(exc):  # ours may wrap an OOM: never retry them
                     raise
-                # Keep a summary only: leaving this block drops the exception, its traceback and the frames of
-                # the failed forward and backward, and with them the autograd graph.
                 summary = FailureSummary.from_exception(exc, attempt.phase, attempt.micro_batch, snapshot(call.backend))
-            failure = Failure(call.plan, summary, time.perf_counter() - started, attempt.base)
+                if not names_an_allocator(exc) and call.tried and call.tried[-1][1].same_error(summary):
+                    raise  # the same words again on a cheaper plan, and no allocator said them: not memory
+                # Keep a summary and the error without its frames: leaving this block drops the traceback and the
+                # frames of the failed forward and backward, and with them the autograd graph.
+                error = released(exc)
+            failure = Failure(call.plan, summary, time.perf_counter() - started, attempt.base, error)
             freed = self._free_and_record(call, failure)
             call.plan = self._next_plan(call, failure, attempt, freed)
 
@@ -219,7 +242,7 @@ class OOMGuard:
         else:
             chosen = self.ladder.next(failure.plan, self._escalation_context(call, failure, attempt))
             if chosen is None:
-                self._give_up(call, "ladder")
+                self._give_up(call, "ladder", failure.error)
             rung, plan = chosen
             if not bound:
                 self._plan_rung = rung.name
@@ -227,7 +250,7 @@ class OOMGuard:
                 self._emit(FallbackEvent(self.steps, plan.to_dict(), freed, rung.name,
                                          failure.plan.to_dict(), failure.summary.memory, change))  # fmt: skip
         if bound:
-            self._give_up(call, bound)
+            self._give_up(call, bound, failure.error)
         return plan
 
     def _bound_reached(self, call: Call, agreement: Agreement | None) -> GiveUp | None:
@@ -252,14 +275,17 @@ class OOMGuard:
             max_micro_batch=predicted,
         )
 
-    def _give_up(self, call: Call, reason: GiveUp) -> NoReturn:
+    def _give_up(self, call: Call, reason: GiveUp, cause: BaseException) -> NoReturn:
+        """Undo every effect on the model, log the giving up, and raise the error that says so (caused by the
+        last attempt's error)."""
+        unrestored = self.effects.undo()
         memory = snapshot(call.backend)
         self._emit(ExhaustedEvent(self.steps, call.plan.to_dict(), memory, reason, len(call.tried),
                                   tuple(plan.to_dict() for plan, _ in call.tried)))  # fmt: skip
         message = give_up_message(call, reason, memory, step=self.steps, bounds=self._bounds,
-                                  rungs=", ".join(self.ladder.names))  # fmt: skip
+                                  rungs=", ".join(self.ladder.names), unrestored=unrestored)  # fmt: skip
         error = LadderExhausted if reason == "ladder" else RecoveryLimitExceeded
-        raise error(message, step=self.steps, tried=tuple(call.tried), memory=memory)
+        raise error(message, step=self.steps, tried=tuple(call.tried), memory=memory) from cause
 
     # -- success ----------------------------------------------------------------------------------------
     def _succeed(self, call: Call, output: AttemptOutput) -> StepResult:
@@ -312,14 +338,14 @@ class OOMGuard:
         """First call: join the process group if there is one, open the log, load the state file, preplan."""
         if self._started:
             return
-        self._started = True
         rank = 0
         if distributed_active():
             self._runner.agreement = Agreement(self._device, self.ladder)
             rank = self._runner.agreement.rank
         if self.options.log_file is not None:  # one log per rank: rank k > 0 writes NAME.rank<k>.jsonl beside it
             path = Path(self.options.log_file)
-            self._sinks.insert(1, JsonlSink(path if rank == 0 else path.with_suffix(f".rank{rank}{path.suffix}")))
+            log = JsonlSink(path if rank == 0 else path.with_suffix(f".rank{rank}{path.suffix}"))
+            self._sinks = [self._tally, log, *self.options.sinks]
         if self.options.state_file is not None:  # every rank reads the plans; only rank 0 writes them
             fingerprint = model_fingerprint(unwrap(self.model))
             self._buckets.load(PlanStore(self.options.state_file, fingerprint, backend.identity(), writable=rank == 0))
@@ -328,6 +354,14 @@ class OOMGuard:
                              distributed=self._runner.agreement is not None)  # fmt: skip
             if report is not None and report.recommended is not None:
                 self.plan = report.recommended
+        self._started = True  # only now: a first call that failed here starts over, state file included
+
+    def _state_file_saved(self, error: OSError | None) -> None:
+        """Saving to the state file fails (``error``), or works again (None): an event says so, once each way."""
+        description = UNSAVED_ADVICE if error is not None else "saving works again"
+        memory = snapshot(current_backend(self._device))
+        self._emit(StateFileEvent(self.steps, self._last_plan.to_dict(), memory, str(self.options.state_file),
+                                  None if error is None else str(error), description))  # fmt: skip
 
     def _emit(self, event: Event) -> None:
         self._events.append(event)

@@ -4,6 +4,7 @@ and how giving up is worded."""
 from __future__ import annotations
 
 import gc
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -13,13 +14,22 @@ import torch
 from oomguard._backends.memory import MemoryBackend, MemorySnapshot
 from oomguard._backends.telemetry import apply_expandable_segments
 from oomguard._backends.units import format_bytes
-from oomguard._detect import is_oom
+from oomguard._detect import chain, is_oom
 from oomguard._events import FailureSummary
 from oomguard._guard.buckets import Choice
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._step.runner import StepRunner
 
-__all__ = ["Bounds", "Call", "Failure", "GiveUp", "device_telemetry", "free_failed_attempt", "give_up_message"]
+__all__ = [
+    "Bounds",
+    "Call",
+    "Failure",
+    "GiveUp",
+    "device_telemetry",
+    "free_failed_attempt",
+    "give_up_message",
+    "released",
+]
 
 #: Why the guard gives up on a batch: nothing left on the ladder, or a bound on attempts or time.
 GiveUp = Literal["ladder", "attempts", "time"]
@@ -27,12 +37,26 @@ GiveUp = Literal["ladder", "attempts", "time"]
 
 @dataclass(eq=False)
 class Failure:
-    """A failed attempt as the guard keeps it: the plan and a summary, never the exception or its frames."""
+    """A failed attempt as the guard keeps it: the plan, a summary, and the error without its frames."""
 
     plan: Plan
     summary: FailureSummary
     seconds: float
     base: int | None  # allocated when the attempt began, after its plan was applied (None: unknown)
+    #: The error, released from its frames (see :func:`released`): the cause of an error that gives up.
+    error: BaseException
+
+
+def released(exc: BaseException) -> BaseException:
+    """``exc`` without the frames of the failed attempt, which hold its tensors; its traceback is kept as text in
+    a note (Python 3.11 and later print notes), so the error that gives up can still show where it began."""
+    text = "".join(traceback.format_exception(exc)).rstrip()
+    for error in chain(exc):
+        error.__traceback__ = None
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(f"(the traceback of that attempt; its frames were released to free its memory)\n{text}")
+    return exc
 
 
 _RETRYING = tenacity.Retrying()  # what a RetryCallState must name; the guard applies the bounds below itself
@@ -120,9 +144,17 @@ def device_telemetry(backend: MemoryBackend, requested: int | None, fix_fragment
 
 
 def give_up_message(
-    call: Call, reason: GiveUp, memory: MemorySnapshot, *, step: int, bounds: Bounds, rungs: str
+    call: Call,
+    reason: GiveUp,
+    memory: MemorySnapshot,
+    *,
+    step: int,
+    bounds: Bounds,
+    rungs: str,
+    unrestored: str | None = None,
 ) -> str:
-    """Why the guard gave up on ``call`` (``reason``: "ladder", "attempts" or "time"), what it tried, the fix."""
+    """Why the guard gave up on ``call`` (``reason``: "ladder", "attempts" or "time"), what it tried, the fix;
+    ``unrestored`` says what of the model could not be put back, if anything."""
     last = call.tried[-1][1]
     headline = {
         "ladder": "every plan on the ladder ran out of memory",
@@ -140,9 +172,13 @@ def give_up_message(
         "attempts": "raise max_attempts=, or lower the batch size so fewer fallbacks are needed",
         "time": "raise max_recovery_seconds=, or lower the batch size so fewer fallbacks are needed",
     }[reason]
+    state = (
+        "the model, optimizer and scheduler are unchanged"
+        if unrestored is None
+        else f"the optimizer and scheduler are unchanged, but {unrestored}"
+    )
     return (
-        f"oomguard gave up on step {step} (a batch of {call.size} sample(s)): {headline}; the model, "
-        f"optimizer and scheduler are unchanged.\nTried:\n{tried}\n"
+        f"oomguard gave up on step {step} (a batch of {call.size} sample(s)): {headline}; {state}.\nTried:\n{tried}\n"
         f"Memory: capacity {format_bytes(last.memory.capacity)}, in use {format_bytes(last.memory.allocated)} "
         f"at the last failure, tried to allocate {format_bytes(last.requested_bytes)}; "
         f"{format_bytes(memory.allocated)} in use after freeing.\nWhat you can do: {fix}."

@@ -96,6 +96,8 @@ class Plan:
             raise ValueError(f"Plan.precision must be None, 'bf16' or 'fp16', got {self.precision!r}")
         if self.checkpointing not in (None, "partial", "full"):
             raise ValueError(f"Plan.checkpointing must be None, 'partial' or 'full', got {self.checkpointing!r}")
+        if not isinstance(self.activation_offload, bool):
+            raise ValueError(f"Plan.activation_offload must be True or False, got {self.activation_offload!r}")
         if isinstance(self.offload_layers, bool) or not isinstance(self.offload_layers, int) or self.offload_layers < 0:
             raise ValueError(f"Plan.offload_layers must be an int >= 0, got {self.offload_layers!r}")
         for name, level in self.extras:

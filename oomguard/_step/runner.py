@@ -22,6 +22,7 @@ from oomguard._effects.transaction import OptimizerTransaction, Scheduler
 from oomguard._errors import LossError, OOMGuardError
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._step.batch import count_items, split_batch
+from oomguard._step.outside import OutsideLeaves, Saved
 
 __all__ = ["AttemptOutput", "StepRunner", "loss_of"]
 
@@ -122,6 +123,8 @@ class StepRunner:
         self.accelerator = accelerator  # Hugging Face Accelerate: its backward (loss scaling) and clipping
         self.verdict: Verdict | None = None  # what the ranks agreed after this attempt's backward
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._outside = OutsideLeaves(self._params)
+        self._outside_grads: Saved = []  # the gradients of leaves outside the optimizer before this attempt
         #: Bytes of the gradients of every trainable parameter: the part of a step's peak that micro-batching keeps.
         self.grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         self.phase = Phase.FORWARD
@@ -166,6 +169,7 @@ class StepRunner:
         """
         self.phase, self.micro_batch = Phase.APPLY, 0
         self.verdict = None
+        self._outside_grads = []
         self.zero_grad()
         backend.reset_peak_memory_stats()  # so the peak read at the end is this attempt's
         self.base = backend.memory_allocated()
@@ -185,6 +189,7 @@ class StepRunner:
             if not done:
                 self.effects.reset()
                 self.zero_grad()
+                OutsideLeaves.put_back(self._outside_grads)
 
     def _clip_and_step(self, backend: MemoryBackend, scaler: torch.amp.GradScaler | None) -> float | None:
         """Clip, then the optimizer and scheduler steps as one transaction; the gradients are dropped after."""
@@ -246,6 +251,9 @@ class StepRunner:
             self.phase, self.micro_batch = Phase.FORWARD, index
             with self.effects.forward(plan, backend):
                 loss = loss_of(self.step_fn(part))
+            if total is None:  # the attempt's first backward is next
+                self._refuse_a_backward_of_its_own()
+                self._outside_grads = self._outside.keep(loss)
             self.phase = Phase.BACKWARD
             weighted = loss if weight == 1.0 else loss * weight
             self._backward(scaler.scale(weighted) if scaler is not None else weighted)
@@ -253,6 +261,16 @@ class StepRunner:
             total = contribution if total is None else total + contribution
             del loss, weighted  # drop the graph's last references before the next micro-batch's forward
         return len(parts), total
+
+    def _refuse_a_backward_of_its_own(self) -> None:
+        """The gradients were dropped when the attempt began: any there now, the step function made itself."""
+        stepped = sum(1 for p in self._params if p.grad is not None)
+        if stepped:
+            raise LossError(
+                f"the step function ran backward itself: after its forward, {stepped} parameter(s) already hold "
+                f"gradients. The guard owns backward (per micro-batch, weighted, once): return the loss without "
+                f"calling loss.backward() or accelerator.backward(), or the gradients would be counted twice"
+            )
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self.accelerator is not None:

@@ -1,0 +1,57 @@
+"""Leaves outside the optimizer: tensors a step's loss reaches that require grad but that the guard does not step.
+
+A learnable loss weight kept out of the model, an adversarial input, a parameter missing from the optimizer: their
+gradients accumulate over micro-batches like the model's, but the guard only drops the model's after a failed
+attempt. Without more, the gradient of a micro-batch that ran before the OOM would be counted again by the retry.
+So the first loss of the guard's first attempt is walked back to its leaves once, and at the first micro-batch of
+every attempt the gradients of those outside the optimizer are kept, to be put back if the attempt fails.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["OutsideLeaves"]
+
+Saved = list[tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class OutsideLeaves:
+    """The leaves a step's loss reaches outside ``params``, found once, and their gradients kept per attempt."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self._params = {id(p) for p in params}
+        self._found: list[weakref.ref[torch.Tensor]] | None = None
+
+    def keep(self, loss: torch.Tensor) -> Saved:
+        """The leaves' gradients now (copies), before the attempt's first backward."""
+        if self._found is None:
+            self._found = [weakref.ref(leaf) for leaf in _leaves(loss) if id(leaf) not in self._params]
+        leaves = [leaf for ref in self._found if (leaf := ref()) is not None]
+        return [(leaf, None if leaf.grad is None else leaf.grad.detach().clone()) for leaf in leaves]
+
+    @staticmethod
+    def put_back(saved: Saved) -> None:
+        """After a failed attempt: each leaf's gradient as it was before the attempt."""
+        for leaf, grad in saved:
+            leaf.grad = grad
+
+
+def _leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+    """Every leaf that backward from ``loss`` accumulates a gradient into."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    todo = [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found

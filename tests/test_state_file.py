@@ -1,0 +1,400 @@
+"""The state file under hostile conditions (issue 14): a file that cannot be written, two jobs sharing one file,
+files no parser survives, a log file given as the state file, a file that only grows, and non-finite losses in
+the event log."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_mlp, mse_step, tuple_batch
+
+from oomguard import GuardConfigError, OOMGuard, Plan
+from oomguard._backends.memory import MemorySnapshot
+from oomguard._events import JsonlSink, ProgressEvent, log_event
+from oomguard._guard.buckets import Buckets
+from oomguard._guard.persist import PlanStore, model_fingerprint
+from oomguard._ladder.ladder import resolve_ladder
+from oomguard._step.batch import batch_bucket
+from oomguard.testing import SimulatedGPU
+
+ROOMY = "1MiB"  # an MLP of width 64 on batches of 8 fits whole: no OOM, one plan per bucket
+TIGHT = "160KiB"  # width 256 on batches of 64 does not fit whole: the guard settles on micro-batches (a change)
+
+
+def warnings_about(caplog: pytest.LogCaptureFixture, path: Path) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and str(path) in r.getMessage()]
+
+
+def save_warnings(caplog: pytest.LogCaptureFixture, path: Path) -> list[str]:
+    """Warnings that saving to ``path`` failed (not those of loading it: a fresh run has no file yet)."""
+    return [message for message in warnings_about(caplog, path) if "cannot save" in message]
+
+
+def sgd_guard(model: torch.nn.Module, **options: Any) -> OOMGuard:
+    return OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **options)
+
+
+def blocked_path(tmp_path: Path) -> Path:
+    """A state-file path whose folder is a regular file: every write fails with an OSError."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder")
+    return blocker / "plans.json"
+
+
+def unblock(path: Path) -> None:
+    """Make ``path`` (from :func:`blocked_path`) writable again: its folder becomes a folder."""
+    path.parent.unlink()
+    path.parent.mkdir()
+
+
+def new_buckets(**kwargs: Any) -> Buckets:
+    return Buckets(resolve_ladder(None), relax_after=None, predictive=False, grad_bytes=0, **kwargs)
+
+
+def run_bucket(buckets: Buckets, bucket: int, plan: Plan | None = None) -> bool:
+    """One call in ``bucket`` that finishes on ``plan`` (default: the chosen one), as the guard reports it."""
+    with SimulatedGPU(ROOMY) as gpu:
+        choice = buckets.choose(bucket, 8, gpu, 1.0)
+    return buckets.succeeded(choice, plan or choice.plan)
+
+
+# -- 1. a state file that cannot be written ---------------------------------------------------------------
+
+
+def test_a_failed_save_is_one_warning_and_is_retried_until_it_succeeds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="oomguard")
+    path = blocked_path(tmp_path)
+    buckets = new_buckets()
+    buckets.load(PlanStore(path, "f" * 16, "dev", writable=True))
+    caplog.clear()
+    run_bucket(buckets, 128)  # a new bucket's first plan: saved after the step, and the save fails
+    run_bucket(buckets, 128, Plan(micro_batch_size=4))  # a plan change: saved, fails again
+    run_bucket(buckets, 256)
+    assert len(save_warnings(caplog, path)) == 1, "one warning until a save succeeds again, not one per call"
+    assert save_warnings(caplog, path) == warnings_about(caplog, path)
+    assert not path.parent.is_dir()
+
+    unblock(path)
+    run_bucket(buckets, 128)  # no change, but the bucket is unsaved: this call's save goes through
+    saved = json.loads(path.read_text(encoding="utf-8"))["plans"]
+    assert {key: Plan.from_dict(entry["plan"]) for key, entry in saved.items()} == {
+        f"{'f' * 16}|dev|128": Plan(micro_batch_size=4),
+        f"{'f' * 16}|dev|256": Plan(micro_batch_size=4),  # a new bucket starts on the nearest smaller one's plan
+    }
+    assert len(warnings_about(caplog, path)) == 1, "saving works again: nothing more to warn about"
+
+    path.unlink()
+    path.mkdir()  # broken again (a folder where the file should be): warned about once more
+    run_bucket(buckets, 512)
+    run_bucket(buckets, 512)
+    assert len(warnings_about(caplog, path)) == 2
+
+
+def test_on_save_hears_of_the_first_failure_and_of_the_recovery_only(tmp_path: Path) -> None:
+    heard: list[OSError | None] = []
+    path = blocked_path(tmp_path)
+    buckets = new_buckets(on_save=heard.append)
+    buckets.load(PlanStore(path, "f" * 16, "dev", writable=True))
+    for _ in range(3):
+        assert run_bucket(buckets, 128) is False
+    assert len(heard) == 1 and isinstance(heard[0], OSError)
+    unblock(path)
+    run_bucket(buckets, 128)
+    run_bucket(buckets, 128, Plan(micro_batch_size=2))
+    assert len(heard) == 2 and heard[1] is None, "one call on recovery, none for saves that simply work"
+    assert "|128" in next(iter(json.loads(path.read_text(encoding="utf-8"))["plans"]))
+
+
+def full_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    def no_space(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    return tmp_path / "plans.json"
+
+
+def read_only_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    if os.name != "posix" or os.geteuid() == 0:
+        pytest.skip("permissions do not stop root (or non-POSIX systems) from writing")
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)  # pytest's clean-up of tmp_path gives the permission back
+    return folder / "plans.json"
+
+
+UNWRITABLE = {
+    "folder-is-a-file": lambda _, tmp_path: blocked_path(tmp_path),
+    "disk-full": full_disk,
+    "read-only-folder": read_only_folder,
+}
+
+
+@pytest.mark.parametrize("kind", list(UNWRITABLE))
+def test_a_guarded_call_commits_and_returns_when_the_state_file_cannot_be_written(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="oomguard")
+    path = UNWRITABLE[kind](monkeypatch, tmp_path)
+    model = make_mlp(width=256)
+    before = [p.detach().clone() for p in model.parameters()]
+    guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters()), state_file=path,
+                     log_every=None)  # fmt: skip
+    with SimulatedGPU(TIGHT) as gpu:  # the first call runs out of memory: its plan changes, and is saved
+        gpu.adopt(model)
+        results = [guard(tuple_batch(n=64, seed=seed)) for seed in range(3)]
+    assert guard.steps == 3
+    assert results[0].ooms >= 1 and results[-1].rungs == ("micro_batch",)
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), "steps committed"
+    assert len(save_warnings(caplog, path)) == 1, [r.getMessage() for r in caplog.records]
+    assert len(warnings_about(caplog, path)) == 2, "and the one of loading: there is no state file to read"
+    assert not path.exists()
+
+
+# -- 2. several jobs sharing one state file ----------------------------------------------------------------
+
+_WRITER = r"""
+import sys
+from oomguard._guard.persist import PlanStore
+from oomguard._ladder.plan import Plan
+
+path, name, saves = sys.argv[1], sys.argv[2], int(sys.argv[3])
+store = PlanStore(path, name, "dev")
+print("ready", flush=True)
+sys.stdin.readline()  # "go": every writer starts at once
+for i in range(1, saves + 1):
+    store.save({bucket: Plan(micro_batch_size=i) for bucket in range(4)})
+print("done", flush=True)
+"""
+
+WRITERS, SAVES = 6, 60
+
+
+def test_jobs_sharing_a_state_file_keep_each_others_plans(tmp_path: Path) -> None:
+    path = tmp_path / "plans.json"
+    command = [sys.executable, "-c", _WRITER, str(path)]
+    writers = [
+        subprocess.Popen([*command, f"writer{k}", str(SAVES)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for k in range(WRITERS)
+    ]
+    try:
+        for writer in writers:
+            assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        for writer in writers:
+            assert writer.stdin is not None
+            writer.stdin.write("go\n")
+            writer.stdin.flush()
+        for writer in writers:
+            assert writer.wait(timeout=120) == 0
+    finally:
+        for writer in writers:
+            writer.kill()
+            writer.wait()
+    entries = json.loads(path.read_text(encoding="utf-8"))["plans"]
+    expected = {f"writer{k}|dev|{bucket}" for k in range(WRITERS) for bucket in range(4)}
+    assert set(entries) == expected, f"lost: {sorted(expected - set(entries))}"
+    assert {entry["plan"]["micro_batch_size"] for entry in entries.values()} == {SAVES}, "each writer's last save"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.json"], "nothing left beside the state file"
+
+
+# -- 3. files no parser survives ---------------------------------------------------------------------------
+
+WIDTH, N = 256, 64
+
+
+def our_key() -> str:
+    capacity = SimulatedGPU(TIGHT).identity()
+    return f"{model_fingerprint(make_mlp(width=WIDTH))}|{capacity}|{batch_bucket(tuple_batch(n=N))}"
+
+
+def document(plans: Any) -> bytes:
+    return json.dumps({"format": "oomguard-plans", "version": 1, "plans": plans}).encode()
+
+
+HOSTILE = {
+    "deep-array": lambda: b"[" * 100_000,
+    "deep-in-plans": lambda: b'{"format":"oomguard-plans","version":1,"plans":{"k":' + b"[" * 100_000,
+    "deep-object": lambda: b'{"a":' * 100_000,
+    "plan-a-list": lambda: document({our_key(): {"plan": []}}),
+    "plan-a-string": lambda: document({our_key(): {"plan": "micro_batch_size"}}),
+    "plan-pairs": lambda: document({our_key(): {"plan": [["micro_batch_size", 4]]}}),
+    "entry-a-number": lambda: document({our_key(): 5}),
+    "entry-a-list": lambda: document({our_key(): ["plan"]}),
+    "extras-not-a-mapping": lambda: document({our_key(): {"plan": {"extras": [["toy"]]}}}),
+}
+
+
+@pytest.mark.parametrize("kind", list(HOSTILE))
+def test_a_state_file_no_parser_survives_is_ignored_with_one_warning_and_replaced(
+    kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "plans.json"
+    path.write_bytes(HOSTILE[kind]())
+    caplog.set_level(logging.WARNING, logger="oomguard")
+    model = make_mlp(width=WIDTH)
+    guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters()), state_file=path)
+    with SimulatedGPU(TIGHT) as gpu:
+        gpu.adopt(model)
+        results = [guard(tuple_batch(n=N, seed=seed)) for seed in range(3)]
+    assert results[0].ooms >= 1, "the broken file gave no plan: the first call starts whole and runs out of memory"
+    assert len(warnings_about(caplog, path)) == 1, warnings_about(caplog, path)
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    assert (saved["format"], saved["version"]) == ("oomguard-plans", 1)
+    assert {key: Plan.from_dict(entry["plan"]) for key, entry in saved["plans"].items()} == {
+        our_key(): guard.plans[batch_bucket(tuple_batch(n=N))]
+    }
+
+
+# -- 4. the log file given as the state file ---------------------------------------------------------------
+
+
+def test_the_same_file_as_log_file_and_state_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    model = make_mlp()
+    with pytest.raises(GuardConfigError) as refused:
+        sgd_guard(model, log_file="run/oomguard.json", state_file=tmp_path / "run" / ".." / "run" / "oomguard.json")
+    message = str(refused.value)
+    assert "log_file" in message and "state_file" in message
+    assert str((tmp_path / "run" / "oomguard.json").resolve()) in message
+    assert "different" in message
+    sgd_guard(model, log_file="run/oomguard.jsonl", state_file="run/oomguard.json")  # distinct files are fine
+
+
+# -- 5. a state file that only grows -----------------------------------------------------------------------
+
+
+def foreign_document(models: int, buckets: int) -> dict[str, Any]:
+    """Entries of ``models`` other models with ``buckets`` buckets each, all updated at distinct times."""
+    plans = {}
+    for m in range(models):
+        for b in range(buckets):
+            second = m * buckets + b  # later models, and later buckets, were updated later
+            stamp = f"2024-01-{1 + second // 86400:02d}T{second // 3600 % 24:02d}:{second // 60 % 60:02d}:" \
+                    f"{second % 60:02d}+0000"  # fmt: skip
+            plans[f"model{m:04d}|GPU:80GB|{b}"] = {"plan": Plan(micro_batch_size=1 + b).to_dict(), "updated": stamp}
+    return {"format": "oomguard-plans", "version": 1, "plans": plans}
+
+
+def test_the_state_file_keeps_the_most_recent_entries_per_model_and_overall(tmp_path: Path) -> None:
+    path = tmp_path / "plans.json"
+    models, buckets = 50, 100  # 5,000 entries: 100 buckets a model (over the 64 kept), 50 models
+    path.write_text(json.dumps(foreign_document(models, buckets)), encoding="utf-8")
+    PlanStore(path, "ours", "dev").save({128: Plan(micro_batch_size=2)})
+    entries = json.loads(path.read_text(encoding="utf-8"))["plans"]
+    assert entries["ours|dev|128"]["plan"] == Plan(micro_batch_size=2).to_dict(), "the plan just saved is kept"
+    assert len(entries) == 1024
+    per_model: dict[str, list[int]] = {}
+    for key in entries:
+        model, _, bucket = key.rpartition("|")
+        per_model.setdefault(model, []).append(int(bucket))
+    assert max(len(kept) for kept in per_model.values()) == 64
+    # Each model keeps its 64 most recently updated buckets (36 to 99); of those, the 1,023 most recently updated
+    # entries stay beside the one just saved.
+    recent = [(m * buckets + b, f"model{m:04d}|GPU:80GB|{b}") for m in range(models) for b in range(36, buckets)]
+    assert set(entries) - {"ours|dev|128"} == {key for _, key in sorted(recent)[-1023:]}
+
+
+def test_a_save_over_a_large_foreign_file_is_cheap_once_the_file_is_bounded(tmp_path: Path) -> None:
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps(foreign_document(2000, 10)), encoding="utf-8")  # 20,000 entries
+    store = PlanStore(path, "ours", "dev")
+    store.save({128: Plan(micro_batch_size=2)})  # the first save reads everything once, and prunes
+    size = path.stat().st_size
+    for size_now in range(2, 6):
+        store.save({128: Plan(micro_batch_size=size_now)})
+    assert len(json.loads(path.read_text(encoding="utf-8"))["plans"]) == 1024
+    assert path.stat().st_size <= size * 1.01, "later saves do not grow the file"
+
+
+# -- 6. non-finite numbers in the event log ----------------------------------------------------------------
+
+
+def strict_json(line: str) -> Any:
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"non-standard JSON constant {constant} in {line[:80]!r}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+@pytest.mark.parametrize(("factor", "flag"), [(math.nan, "nan"), (math.inf, "inf"), (-math.inf, "-inf")])
+def test_a_non_finite_loss_is_logged_as_null_with_a_flag(factor: float, flag: str, tmp_path: Path) -> None:
+    log = tmp_path / "oomguard.jsonl"
+    model = make_mlp()
+    step = mse_step(model)
+    guard = OOMGuard(lambda batch: step(batch) * factor, model=model, optimizer=torch.optim.SGD(model.parameters()),
+                     log_file=log, log_every=1)  # fmt: skip
+    with SimulatedGPU(ROOMY) as gpu:
+        gpu.adopt(model)
+        guard(tuple_batch())
+        guard(tuple_batch(seed=2))  # the weights are NaN now (an infinite loss has NaN gradients): a NaN loss
+    lines = log.read_text(encoding="utf-8").splitlines()
+    events = [strict_json(line) for line in lines]
+    progress = [event for event in events if event["event"] == "progress"]
+    assert [event["loss"] for event in progress] == [None, None]
+    assert [event["non_finite"] for event in progress] == [{"loss": flag}, {"loss": "nan"}]
+    assert progress[0]["memory"]["capacity"] == SimulatedGPU(ROOMY).capacity
+
+
+def test_non_finite_values_are_flagged_by_their_dotted_path_and_finite_events_carry_no_flag(tmp_path: Path) -> None:
+    sink = JsonlSink(tmp_path / "log.jsonl")
+    memory = MemorySnapshot(backend="simulated", allocated=1, reserved=2, peak=3, capacity=4)
+    sink(ProgressEvent(0, {"micro_batch_size": None}, memory, 0.5, 8, {"micro_batch": 0}))
+    sink(ProgressEvent(1, {"weights": [1.0, math.nan]}, memory, -math.inf, 8, {}))
+    finite, broken = (strict_json(line) for line in (tmp_path / "log.jsonl").read_text().splitlines())
+    assert "non_finite" not in finite and finite["loss"] == 0.5
+    assert broken["non_finite"] == {"plan.weights.1": "nan", "loss": "-inf"}
+    assert (broken["plan"]["weights"], broken["loss"]) == ([1.0, None], None)
+
+
+# -- the event the guard turns on_save into ----------------------------------------------------------------
+
+
+def test_the_state_file_event_is_a_warning_while_saving_fails_and_info_once_it_works(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from oomguard import StateFileEvent  # here, not above: the other tests run (and fail) on their own without it
+
+    caplog.set_level(logging.INFO, logger="oomguard")
+    memory = MemorySnapshot(backend="simulated", allocated=1, reserved=2, peak=3, capacity=4)
+    failed = StateFileEvent(3, {}, memory, path="/x/plans.json", error="[Errno 28] No space left on device",
+                            description="the plans are kept in memory")  # fmt: skip
+    works = StateFileEvent(9, {}, memory, path="/x/plans.json", error=None, description="saved again")
+    log_event(failed)
+    log_event(works)
+    assert [(r.levelno, "/x/plans.json" in r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, True),
+        (logging.INFO, True),
+    ]
+    assert "No space left on device" in caplog.records[0].getMessage()
+    assert failed.to_dict()["event"] == "state_file"
+    assert failed.to_dict()["error"] == "[Errno 28] No space left on device"
+
+
+def test_the_guard_says_so_in_its_event_log_once_when_the_state_file_cannot_be_written(tmp_path: Path) -> None:
+    blocker = tmp_path / "plans"
+    blocker.write_text("a file where the state file's folder should be")
+    model = make_mlp(width=256)
+    log = tmp_path / "events.jsonl"
+    guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                     state_file=blocker / "plans.json", log_file=log, log_every=None)  # fmt: skip
+    with SimulatedGPU(TIGHT) as gpu:
+        gpu.adopt(model)
+        for seed in range(3):
+            guard(tuple_batch(n=64, seed=seed))
+    events = [e for e in guard.events if e.kind == "state_file"]
+    assert len(events) == 1, "once when saving starts failing, not per call"
+    assert events[0].error is not None and str(blocker) in events[0].path  # type: ignore[attr-defined]
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["event"] for e in logged].count("state_file") == 1
+    assert guard.steps == 3
