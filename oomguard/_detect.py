@@ -21,7 +21,8 @@ __all__ = ["is_fatal_device_error", "is_oom", "names_an_allocator"]
 _ALLOCATOR_PATTERNS = re.compile(
     "|".join(
         (
-            r"\b(?:CUDA|HIP|XPU|NPU)\b[^\n]*\bout of memory\b",  # the caching allocators, "CUDA error: out of memory"
+            r"\b(?:CUDA|HIP|XPU|NPU|HPU)\b[^\n]*\bout of memory\b",  # caching allocators; "CUDA error: out of memory"
+            r"RESOURCE_EXHAUSTED",  # XLA (TPU, and torch_xla on GPU)
             r"MPS backend out of memory",
             r"DefaultCPUAllocator: can't allocate memory",
             r"DefaultCPUAllocator: not enough memory",  # the Windows spelling
@@ -64,7 +65,7 @@ _FATAL_PATTERNS = re.compile(
 _GROUP: Any = getattr(builtins, "BaseExceptionGroup", None)  # Python 3.11+
 
 
-def chain(exc: BaseException, contexts: bool = True) -> list[BaseException]:
+def _chain(exc: BaseException, contexts: bool = True) -> list[BaseException]:
     """The exception, its causes and (with ``contexts``) contexts, and the members of exception groups, each once.
 
     A context hidden with ``raise ... from None`` is not followed: its author chose to replace it.
@@ -95,7 +96,7 @@ def is_fatal_device_error(exc: BaseException) -> bool:
     >>> is_fatal_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
     True
     """
-    return any(_message_matches(e, _FATAL_PATTERNS) for e in chain(exc))
+    return any(_message_matches(e, _FATAL_PATTERNS) for e in _chain(exc))
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -122,7 +123,7 @@ def is_oom(exc: BaseException) -> bool:
         return False
     return any(
         isinstance(e, (torch.OutOfMemoryError, MemoryError)) or _message_matches(e, _OOM_PATTERNS)
-        for e in chain(exc, contexts=False)
+        for e in _chain(exc, contexts=False)
     )
 
 
@@ -135,5 +136,5 @@ def names_an_allocator(exc: BaseException) -> bool:
     """
     return any(
         isinstance(e, (torch.OutOfMemoryError, MemoryError)) or _message_matches(e, _ALLOCATOR_PATTERNS)
-        for e in chain(exc, contexts=False)
+        for e in _chain(exc, contexts=False)
     )

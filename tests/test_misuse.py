@@ -8,6 +8,8 @@ import copy
 import gc
 import signal
 import threading
+import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -381,3 +383,146 @@ def test_a_first_call_that_fails_before_reading_the_state_file_reads_it_on_the_n
         result = again(tuple_batch(n=64))
     assert (result.plan, result.ooms) == (remembered, 0), "started on the remembered plan"
     assert (blocker / "deeper" / "events.jsonl").exists()
+
+
+# -- found in review --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("python_sigint")
+def test_a_signal_whose_handler_only_notes_it_never_undoes_a_finished_step() -> None:
+    """A job's SIGTERM handler that sets a flag (the usual preemption pattern) and returns: the step held the
+    signal, finished, and must stay committed and counted; the handler runs once the call is done."""
+    model = make_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = OOMGuard(mse_step(model), model=model, optimizer=optimizer, step_journal="always")
+    stop: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda number, frame: stop.append(number))
+    try:
+        handle = optimizer.register_step_post_hook(lambda *_: signal.raise_signal(signal.SIGTERM))
+        before = state(model, optimizer)
+        result = guard(tuple_batch(seed=0))
+        handle.remove()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (result.step, guard.steps, stop) == (0, 1, [signal.SIGTERM])
+    assert not same(state(model, optimizer), before), "the step stayed committed"
+
+
+@pytest.mark.usefixtures("python_sigint")
+def test_two_signals_held_in_one_step_are_both_delivered_sigterm_first() -> None:
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = OOMGuard(mse_step(model), model=model, optimizer=optimizer, step_journal="always")
+    terms: list[int] = []
+
+    def both(*_: Any) -> None:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, lambda number, frame: terms.append(number))
+    try:
+        optimizer.register_step_post_hook(both)
+        with pytest.raises(KeyboardInterrupt):
+            guard(tuple_batch())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert terms == [signal.SIGTERM], "the job's SIGTERM handler (a checkpoint, say) ran before Ctrl-C ended it"
+
+
+@pytest.mark.usefixtures("python_sigint")
+def test_ctrl_c_during_a_dry_run_step_is_not_swallowed() -> None:
+    from conftest import make_llama
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from oomguard._planner.engine import dry_run
+
+    with FakeTensorMode():
+        model = make_llama(layers=1, hidden=16)
+        optimizer = torch.optim.AdamW(model.parameters())
+        steps = [0]
+
+        def second_step(*_: Any) -> None:  # past the warm-up's journaled step: a fast one
+            steps[0] += 1
+            if steps[0] == 2:
+                signal.raise_signal(signal.SIGINT)
+
+        optimizer.register_step_post_hook(second_step)
+        ids = torch.zeros(2, 8, dtype=torch.long)
+        with pytest.raises(KeyboardInterrupt):
+            dry_run(lambda b: model(**b), {"input_ids": ids, "labels": ids}, model=model, optimizer=optimizer,
+                    capacity=2**40, target="simulated", label="llama")  # fmt: skip
+
+
+def test_a_dropped_guard_is_freed_at_once_and_frees_its_model_for_the_next_guard(tmp_path: Path) -> None:
+    """Found in review: the state-file callback made a reference cycle, so a dropped guard (and its undo) waited
+    for a full garbage collection; meanwhile a new guard on the same model was refused."""
+    model = blocks()
+    gc.disable()
+    try:
+        guard = OOMGuard(block_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         state_file=tmp_path / "plans.json")  # fmt: skip
+        guard.plan = Plan(checkpointing="full")
+        guard(torch.randn(8, 32))
+        dropped = weakref.ref(guard)
+        del guard
+        assert dropped() is None, "freed by its reference count"
+        assert all("forward" not in vars(block) for block in model), "and its checkpointing undone"
+        again = OOMGuard(block_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        assert again(torch.randn(8, 32)).ooms == 0
+    finally:
+        gc.enable()
+
+
+def test_a_fresh_input_that_requires_grad_keeps_no_gradient_of_a_failed_attempt() -> None:
+    """An adversarial input made anew for each batch: found only through the batch, not by the first graph."""
+    model = make_mlp()
+    x, y = tuple_batch(n=8)
+    calls = [0]
+
+    def step(part: Any) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 4:  # the second batch's first attempt, its second micro-batch
+            gpu.fail_allocation(1)
+        return torch.nn.functional.mse_loss(model(part[0]).squeeze(-1), part[1])
+
+    guard = OOMGuard(step, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+    guard.plan = Plan(micro_batch_size=4)
+    with SimulatedGPU("64MiB") as gpu:
+        gpu.adopt(model)
+        guard((x.clone().requires_grad_(), y))  # the first batch: its own leaf
+        delta = x.clone().requires_grad_()
+        assert guard((delta, y)).ooms == 1
+    twin = copy.deepcopy(model)
+    reference = x.clone().requires_grad_()
+    torch.nn.functional.mse_loss(twin(reference).squeeze(-1), y).backward()  # type: ignore[no-untyped-call]
+    assert delta.grad is not None and reference.grad is not None
+    torch.testing.assert_close(delta.grad, reference.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_error_kept_as_a_cause_holds_no_frame_even_behind_from_none() -> None:
+    from oomguard._guard.recovery import released
+
+    def fail() -> None:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("CUDA out of memory while compiling") from None
+
+    try:
+        fail()
+    except RuntimeError as error:
+        kept = released(error)
+    assert kept.__traceback__ is None
+    assert kept.__context__ is not None and kept.__context__.__traceback__ is None, "the hidden context's too"
+
+
+def test_a_state_file_that_is_a_dangling_link_fails_its_save_instead_of_spinning(tmp_path: Path) -> None:
+    from oomguard._guard.persist import PlanStore
+
+    (tmp_path / "elsewhere").mkdir()
+    link = tmp_path / "plans.json"
+    link.symlink_to(tmp_path / "elsewhere" / "plans.json")
+    started = time.monotonic()
+    with pytest.raises(OSError, match="could neither be opened nor created"):
+        PlanStore(link, "f" * 16, "dev").save({1: Plan()})
+    assert time.monotonic() - started < 5

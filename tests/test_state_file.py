@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,13 @@ def run_bucket(buckets: Buckets, bucket: int, plan: Plan | None = None) -> bool:
 # -- 1. a state file that cannot be written ---------------------------------------------------------------
 
 
+@pytest.fixture
+def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retry a failed save at the very next chance (the guard backs off for a second, doubling, in real jobs)."""
+    monkeypatch.setattr("oomguard._guard.buckets._FIRST_BACKOFF", 0.0)
+
+
+@pytest.mark.usefixtures("no_backoff")
 def test_a_failed_save_is_one_warning_and_is_retried_until_it_succeeds(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -102,6 +110,7 @@ def test_a_failed_save_is_one_warning_and_is_retried_until_it_succeeds(
     assert len(warnings_about(caplog, path)) == 2
 
 
+@pytest.mark.usefixtures("no_backoff")
 def test_on_save_hears_of_the_first_failure_and_of_the_recovery_only(tmp_path: Path) -> None:
     heard: list[OSError | None] = []
     path = blocked_path(tmp_path)
@@ -115,6 +124,22 @@ def test_on_save_hears_of_the_first_failure_and_of_the_recovery_only(tmp_path: P
     run_bucket(buckets, 128, Plan(micro_batch_size=2))
     assert len(heard) == 2 and heard[1] is None, "one call on recovery, none for saves that simply work"
     assert "|128" in next(iter(json.loads(path.read_text(encoding="utf-8"))["plans"]))
+
+
+def test_after_a_failed_save_the_next_tries_back_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in review: with another job stuck holding the lock, every call waited the whole lock timeout."""
+    tries: list[float] = []
+
+    def stuck(self: PlanStore, plans: Any) -> None:
+        tries.append(time.monotonic())
+        raise TimeoutError("another process has held the lock on the state file for over 5 s")
+
+    monkeypatch.setattr(PlanStore, "save", stuck)
+    buckets = new_buckets(on_save=lambda error: None)
+    buckets.load(PlanStore(tmp_path / "plans.json", "f" * 16, "dev", writable=True))
+    for size in (4, 2, 1):  # three plan changes within a second: one try, the others wait for the back-off
+        run_bucket(buckets, 128, Plan(micro_batch_size=size))
+    assert len(tries) == 1
 
 
 def full_disk(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:

@@ -31,9 +31,10 @@ from oomguard._ladder.rungs import Rung
 __all__ = ["Effects"]
 
 
-# Each model changed by a guard's effects, and that guard's effects: a second guard on the model would fight the
-# first (streamed blocks' gradients going to the first one's host buffers), so it is refused.
-_HOLDERS: weakref.WeakKeyDictionary[torch.nn.Module, Effects] = weakref.WeakKeyDictionary()
+# Each model changed by a guard's effects, and (weakly: neither keeps the other alive) those effects: a second
+# guard on the model would fight the first (streamed blocks' gradients going to the first one's host buffers), so
+# it is refused. A guard that is dropped undoes its effects (a finalizer), which frees the model.
+_HOLDERS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[Effects]] = weakref.WeakKeyDictionary()
 
 
 class Effects:
@@ -75,8 +76,8 @@ class Effects:
 
     def _hold_while_changed(self) -> None:
         if any(effect.holds for effect in self._effects):
-            _HOLDERS[self.target.model] = self
-        elif _HOLDERS.get(self.target.model) is self:
+            _HOLDERS[self.target.model] = weakref.ref(self)
+        elif _holder(self.target.model) is self:
             del _HOLDERS[self.target.model]
 
     @property
@@ -149,8 +150,13 @@ class Effects:
             self._hold_while_changed()
 
 
+def _holder(model: torch.nn.Module) -> Effects | None:
+    held = _HOLDERS.get(model)
+    return held() if held is not None else None
+
+
 def _refuse_if_held(model: torch.nn.Module, effects: Effects) -> None:
-    holder = _HOLDERS.get(model)
+    holder = _holder(model)
     if holder is not None and holder is not effects:
         raise GuardConfigError(
             f"another guard has changed this {type(model).__name__} (offloaded layers or checkpointing that only "

@@ -28,6 +28,7 @@ class Interrupts:
 
     def __init__(self) -> None:
         self._pending: list[tuple[int, Any]] = []  # (signal, the handler in place when it arrived)
+        self._depth = 0  # nested holds (a step inside the span the guard holds) install the noters once
 
     @property
     def pending(self) -> bool:
@@ -37,19 +38,25 @@ class Interrupts:
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         """Note SIGINT and SIGTERM instead of acting on them, until the block ends (main thread only)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
+        if threading.current_thread() is not threading.main_thread() or self._depth:
+            self._depth += 1  # (off the main thread nothing is installed: only the main thread gets signals)
+            try:
+                yield
+            finally:
+                self._depth -= 1
             return
         previous: dict[int, Any] = {}
+        self._depth = 1
         try:
             for number in _SIGNALS:
                 handler = signal.getsignal(number)
-                if handler is None:  # installed outside Python: leave it alone
+                if handler is None or handler == signal.SIG_IGN:  # outside Python, or ignored: left alone
                     continue
                 previous[number] = handler
                 signal.signal(number, self._noter(handler))
             yield
         finally:
+            self._depth = 0
             for number, handler in previous.items():
                 signal.signal(number, handler)
 
@@ -60,12 +67,15 @@ class Interrupts:
         return note
 
     def deliver(self) -> None:
-        """Act on the signals noted while held, as their handlers would have: raise, ignore, or end the process."""
-        pending, self._pending = self._pending, []
-        for number, handler in pending:
-            if handler == signal.SIG_IGN:
-                continue
+        """Act on the signals noted while held, as their handlers would have: raise, or end the process.
+
+        SIGTERM first (a job's handler may save a checkpoint before it exits). A signal whose handler raises
+        leaves the ones after it pending, for the next delivery.
+        """
+        self._pending.sort(key=lambda item: item[0] != getattr(signal, "SIGTERM", None))
+        while self._pending:
+            number, handler = self._pending.pop(0)
             if handler == signal.SIG_DFL:
                 signal.raise_signal(number)  # the default action (SIGTERM: the process ends; SIGINT: Python's)
-                continue
-            handler(number, None)
+            else:
+                handler(number, None)

@@ -21,9 +21,9 @@ Host copies are kept between journaled steps (pinned buffers are expensive to ma
 the fast path takes over.
 
 An interrupt never splits a step: SIGINT and SIGTERM are held while the step runs (:mod:`.interrupts`). One that
-arrives during a journaled step undoes it and is then delivered (nothing committed); one that arrives during a
-fast step is delivered by the guard once the step is committed and counted. An interrupt raised by code inside
-a fast step (not a signal) propagates as itself; the guard then refuses to train on the half-stepped model.
+arrives during a step that completes is delivered by the guard once the step is committed and counted; during a
+step that fails, once it is undone (nothing committed). An interrupt raised by code inside a fast step (not a
+signal) propagates as itself; the guard then refuses to train on the half-stepped model.
 """
 
 from __future__ import annotations
@@ -64,7 +64,6 @@ class OptimizerTransaction:
         self.optimizer = optimizer
         self.journal: JournalMode = journal
         self._bound: int | None = None  # upper bound of the transient memory of the last step, in bytes
-        self._undone = False  # whether the last journaled step was undone
         self._host: dict[int, torch.Tensor] = {}  # id(device tensor) -> reusable host copy
         #: How many steps took the journaled path (for tests and diagnostics).
         self.journaled_steps = 0
@@ -138,7 +137,7 @@ class OptimizerTransaction:
                     committed = True
                 else:
                     self._journaled_step(backend, params, run, scheduler, agree)
-                    committed = not self._undone
+                    committed = True
         finally:
             if not committed:  # nothing was committed: a signal held meanwhile is acted on now
                 self.interrupts.deliver()
@@ -159,7 +158,6 @@ class OptimizerTransaction:
         return run
 
     def _fast_step(self, params: list[torch.Tensor], run: Callable[[], None], agree: Agree | None) -> None:
-        self._undone = False
         tensors = self._mutable_tensors(params)
         versions = [t._version for t in tensors]
         try:
@@ -202,7 +200,6 @@ class OptimizerTransaction:
         agree: Agree | None,
     ) -> None:
         self.journaled_steps += 1
-        self._undone = False
         optimizer = self.optimizer
         # Structure: which params have state and which keys each state holds (shallow: tensors are shared).
         entries = {p: dict(optimizer.state[p]) for p in params if p in optimizer.state}
@@ -215,7 +212,6 @@ class OptimizerTransaction:
         self._host = {id(t): c for t, c in zip(tensors, copies, strict=True)}
 
         def undo() -> None:
-            self._undone = True
             for t, c in zip(tensors, copies, strict=True):
                 with torch.no_grad():
                     t.copy_(c, non_blocking=True)
@@ -241,8 +237,6 @@ class OptimizerTransaction:
         if outcome != "ok":
             undo()
             raise peer_failure(outcome, Phase.OPTIMIZER)
-        if self.interrupts.pending:  # a signal arrived during the step: nothing is committed, then it is delivered
-            undo()
 
     def _measure(self, backend: MemoryBackend, before: int, params: list[torch.Tensor]) -> None:
         if backend.tracks_allocations:

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,9 @@ from oomguard._ladder.plan import Plan
 from oomguard._ladder.predict import PeakModel
 
 __all__ = ["Buckets", "Choice"]
+
+# After a failed save, the next is tried no sooner than this many seconds later, doubling up to the maximum.
+_FIRST_BACKOFF, _MAX_BACKOFF = 1.0, 60.0
 
 logger = logging.getLogger("oomguard")
 
@@ -81,6 +85,7 @@ class Buckets:
         self.store: PlanStore | None = None
         self.on_save = on_save
         self._save_failing = False  # whether the last save failed (and was reported)
+        self._retry_at, self._backoff = 0.0, _FIRST_BACKOFF
         self._buckets: dict[int, _Bucket] = {}
 
     # -- state ----------------------------------------------------------------------------------------
@@ -104,18 +109,21 @@ class Buckets:
 
     def _save(self) -> None:
         """Write every bucket's plan to the state file; never raises (the step before it is committed)."""
-        if self.store is None:
-            return
+        if self.store is None or time.monotonic() < self._retry_at:
+            return  # (after a failure, the next tries back off: a full disk or a held lock costs no call much)
         try:
             self.store.save(self.plans())
         except Exception as error:  # OSError in practice; whatever it is, a committed step stays committed
+            self._retry_at = time.monotonic() + self._backoff
+            self._backoff = min(2 * self._backoff, _MAX_BACKOFF)
             if not self._save_failing:
                 self._save_failing = True
                 failure = error if isinstance(error, OSError) else OSError(f"{type(error).__name__}: {error}")
                 self._report(failure)
-            return  # the buckets stay unsaved: the next call in any of them tries again
+            return  # the buckets stay unsaved: a later call in any of them tries again
         for state in self._buckets.values():
             state.saved = True
+        self._backoff = _FIRST_BACKOFF
         if self._save_failing:
             self._save_failing = False
             self._report(None)

@@ -82,7 +82,7 @@ class OOMGuard:
         self._device = next(self.model.parameters()).device
         self._buckets = Buckets(
             self.ladder, self.options.relax_after, self.options.predictive, self._runner.grad_bytes,
-            on_save=self._state_file_saved,
+            on_save=_weakly(self._state_file_saved),  # weakly: the guard must die (and undo its effects) when dropped
         )  # fmt: skip
         self._bounds = Bounds(self.options.max_attempts, self.options.max_recovery_seconds)
         self._tally = Tally()
@@ -154,7 +154,10 @@ class OOMGuard:
         """
         last = self._last
         if last is None:  # no guarded call yet: no batch to replay on a cheaper plan, so only undoable
-            self.transaction.step(current_backend(self._device), run=run)
+            try:
+                self.transaction.step(current_backend(self._device), run=run)
+            finally:
+                self.transaction.interrupts.deliver()
             return
         bucket = last.choice.bucket
         call = Call(None, last.size, current_backend(self._device), Choice(bucket, self._last_plan), self._last_plan,
@@ -191,7 +194,8 @@ class OOMGuard:
                 choice = Choice(choice.bucket, agreed)
         call = Call(batch, size, backend, choice, choice.plan, per_sample)
         output = self._recover(call, Run(self._runner, call, step=step, reduction=reduction))
-        return self._succeed(call, output)
+        with self.transaction.interrupts.held():  # (delivered by _call once the step is counted)
+            return self._succeed(call, output)
 
     # -- the recovery loop ------------------------------------------------------------------------------
     def _recover(self, call: Call, attempt: Attempt[T]) -> T:
@@ -206,8 +210,10 @@ class OOMGuard:
                 if isinstance(exc, OOMGuardError) or not is_oom(exc):  # ours may wrap an OOM: never retry them
                     raise
                 summary = FailureSummary.from_exception(exc, attempt.phase, attempt.micro_batch, snapshot(call.backend))
-                if not names_an_allocator(exc) and call.tried and call.tried[-1][1].same_error(summary):
+                repeated = bool(call.tried) and call.tried[-1][1].same_error(summary)
+                if repeated and not names_an_allocator(exc) and attempt.agreement is None:
                     raise  # the same words again on a cheaper plan, and no allocator said them: not memory
+                    # (not under torch.distributed: the ranks agreed this was an OOM and all retry together)
                 # Keep a summary and the error without its frames: leaving this block drops the traceback and the
                 # frames of the failed forward and backward, and with them the autograd graph.
                 error = released(exc)
@@ -371,3 +377,16 @@ class OOMGuard:
                 sink(event)
             except Exception:  # a broken sink must not kill a long training job
                 logger.exception("oomguard: event sink %r failed", sink)
+
+
+def _weakly(method: Callable[[OSError | None], None]) -> Callable[[OSError | None], None]:
+    """``method`` without the reference to its object (a bound method of an object it is stored in would make a
+    reference cycle, which only the cyclic garbage collector frees)."""
+    weak = weakref.WeakMethod(method)
+
+    def call(error: OSError | None) -> None:
+        bound = weak()
+        if bound is not None:
+            bound(error)
+
+    return call

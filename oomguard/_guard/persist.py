@@ -4,12 +4,8 @@ Each entry is keyed by what the plan depends on: a fingerprint of the model (par
 dtypes), the device (its name and total memory) and the batch bucket. A restart with the same state file starts
 every bucket on the plan that fitted.
 
-* **Atomic.** The file is replaced atomically (temporary file, fsync, rename), so a kill at any moment leaves
-  either the old file or the new one, never a broken one.
-* **Shared.** Jobs may share one file: a save reads, merges and writes under an exclusive lock, so no job drops
-  another's plans. On POSIX the lock is ``flock`` on the state file itself: a killed job leaves no lock file
-  behind (the kernel releases its lock), and a missing file is created by a hard link, which fails if another
-  job created it first. Elsewhere a lock file (``.NAME.lock``) created exclusively is the lock, best effort.
+* **Atomic** and **shared**: a save reads, merges and writes under an exclusive lock, and replaces the file
+  atomically (:mod:`oomguard._guard.files`).
 * **Bounded.** A save keeps the :data:`PER_MODEL` most recently updated entries of each model and device, and
   :data:`TOTAL` entries overall (the least recently updated go first), so the file, and so the cost of every
   save, stays small however many models and buckets have used it.
@@ -19,23 +15,18 @@ every bucket on the plan that fitted.
 
 from __future__ import annotations
 
-import errno
 import functools
 import hashlib
 import json
 import logging
-import os
-import sys
-import tempfile
-import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from oomguard._guard.files import atomic_write, create, locked, remove_orphans
 from oomguard._ladder.plan import Plan
 
 __all__ = ["PER_MODEL", "TOTAL", "UNSAVED_ADVICE", "PlanStore", "model_fingerprint"]
@@ -48,7 +39,7 @@ _VERSION = 1
 PER_MODEL = 64
 #: Entries kept in one state file.
 TOTAL = 1024
-_LOCK_TIMEOUT = 30.0  # seconds: longer than any save takes; past it the save fails (and is retried later)
+_RACES = 8  # times a save may find the file created (or gone) under it before it gives up
 #: What a failed save means and what to do, for the warning (or the event) that reports it.
 UNSAVED_ADVICE = (
     "training goes on with the plans kept in memory, and the save is retried on the next plan change; "
@@ -114,16 +105,17 @@ class PlanStore:
         """
         if not self.writable:
             return
-        while True:
-            with _locked(self.path) as locked:
-                entries = (self._read(warn=False) or {}) if locked else {}
+        for _ in range(_RACES):
+            with locked(self.path) as holding:  # False: there is no file to lock yet
+                entries = (self._read(warn=False) or {}) if holding else {}
                 text = self._document(entries, plans)
-                if locked:
-                    _atomic_write(self.path, text)
-                elif not _create(self.path, text):
+                if holding:
+                    atomic_write(self.path, text)
+                elif not create(self.path, text):
                     continue  # another job created the file meanwhile: merge with it, under its lock
-            break
-        _remove_orphans(self.path)
+            remove_orphans(self.path)
+            return
+        raise OSError(f"{self.path} could neither be opened nor created (a dangling symbolic link?)")
 
     def _document(self, entries: dict[str, Any], plans: dict[int, Plan]) -> str:
         """The file's new text: ``entries`` read from it, with this model's plans replaced, within the bounds."""
@@ -232,168 +224,3 @@ def _parse_moment(stamp: str) -> float:
         return datetime.fromisoformat(stamp).timestamp()
     except (ValueError, OverflowError, OSError):
         return 0.0
-
-
-_ORPHAN_AGE = 60.0  # seconds: a temporary file this old was left by a writer that was killed
-
-
-def _remove_orphans(path: Path) -> None:
-    """Delete temporary files that killed writers left beside ``path`` (never a fresh one: it may be in use)."""
-    now = time.time()
-    for orphan in path.parent.glob(f".{path.name}.*.tmp"):
-        with suppress(OSError):
-            if now - orphan.stat().st_mtime > _ORPHAN_AGE:
-                orphan.unlink()
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that readers (and a kill at any moment) see the old or the new file."""
-    temporary = _write_temporary(path, text)
-    try:
-        os.replace(temporary, path)
-    except BaseException:
-        _unlink(temporary)
-        raise
-    _sync_directory(path.parent)
-
-
-def _create(path: Path, text: str) -> bool:
-    """Create ``path`` holding ``text``, whole at once; False (nothing written) if it exists by now.
-
-    A hard link to a complete temporary file fails if another job created the file first, where a rename would
-    silently replace that job's plans.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = _write_temporary(path, text)
-    try:
-        try:
-            os.link(temporary, path)
-        except FileExistsError:
-            return False
-        except OSError as error:
-            if error.errno not in _NO_LINKS:  # a full disk, say: that is the save's failure
-                raise
-            os.replace(temporary, path)  # a file system without hard links: the first save only is unguarded
-    finally:
-        _unlink(temporary)
-    _sync_directory(path.parent)
-    return True
-
-
-_NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK)  # what link() says where links are not
-
-
-def _write_temporary(path: Path, text: str) -> str:
-    """A complete, synced temporary file beside ``path`` holding ``text`` (removed again if that fails)."""
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-    except BaseException:
-        _unlink(temporary)
-        raise
-    return temporary
-
-
-def _unlink(path: str | Path) -> None:
-    with suppress(OSError):
-        os.unlink(path)
-
-
-def _sync_directory(directory: Path) -> None:
-    """Make a rename (or link) in ``directory`` durable; best effort (not every system can open a folder)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    with suppress(OSError):
-        os.fsync(fd)
-    os.close(fd)
-
-
-def _wait(deadline: float, delay: float, path: Path) -> float:
-    """Sleep before the next try at the lock; the next delay. Past ``deadline``, give up with a TimeoutError."""
-    if time.monotonic() > deadline:
-        raise TimeoutError(
-            f"another process has held the lock on the state file {path} for over {_LOCK_TIMEOUT:.0f} s "
-            f"(a job stopped in the middle of a save?)"
-        )
-    time.sleep(delay)
-    return min(2 * delay, 0.05)
-
-
-if sys.platform == "win32":
-
-    @contextmanager
-    def _locked(path: Path) -> Iterator[bool]:
-        """Hold the lock file ``.NAME.lock`` beside ``path`` (created exclusively) while saving; yields True.
-
-        Best effort: a lock file older than a save could ever take is one a killed job left, and is taken over.
-        """
-        lock = path.with_name(f".{path.name}.lock")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        deadline, delay = time.monotonic() + _LOCK_TIMEOUT, 0.001
-        while True:
-            try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-                break
-            except FileExistsError:
-                try:
-                    if time.time() - lock.stat().st_mtime > _ORPHAN_AGE:
-                        _unlink(lock)
-                        continue
-                except OSError:
-                    continue  # released in the meantime
-                delay = _wait(deadline, delay, path)
-        try:
-            yield True
-        finally:
-            os.close(fd)
-            _unlink(lock)
-
-else:
-    import fcntl
-
-    @contextmanager
-    def _locked(path: Path) -> Iterator[bool]:
-        """Hold ``flock`` on the state file ``path`` itself while saving; yields True, or False if there is no
-        file to lock yet (the caller then creates it exclusively).
-
-        The file is replaced on every save, so a lock taken on a file that was replaced while we waited locks
-        nothing: check that the locked file is still the one at ``path``, and start again if not.
-        """
-        deadline, delay = time.monotonic() + _LOCK_TIMEOUT, 0.001
-        while True:
-            try:
-                fd = _open_to_lock(path)
-            except FileNotFoundError:
-                yield False
-                return
-            try:
-                while True:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        delay = _wait(deadline, delay, path)
-                    except OSError:  # no locks on this file system (some network mounts): save unlocked
-                        break
-                if _same_file(fd, path):
-                    yield True
-                    return
-            finally:
-                os.close(fd)  # releases the lock
-
-    def _open_to_lock(path: Path) -> int:
-        try:
-            return os.open(path, os.O_RDWR)  # writable: network file systems only lock files open for writing
-        except PermissionError:
-            return os.open(path, os.O_RDONLY)  # a read-only file in a writable folder can still be replaced
-
-    def _same_file(fd: int, path: Path) -> bool:
-        with suppress(FileNotFoundError):
-            current, locked = os.stat(path), os.fstat(fd)
-            return (locked.st_dev, locked.st_ino) == (current.st_dev, current.st_ino)
-        return False

@@ -14,7 +14,7 @@ import torch
 from oomguard._backends.memory import MemoryBackend, MemorySnapshot
 from oomguard._backends.telemetry import apply_expandable_segments
 from oomguard._backends.units import format_bytes
-from oomguard._detect import chain, is_oom
+from oomguard._detect import is_oom
 from oomguard._events import FailureSummary
 from oomguard._guard.buckets import Choice
 from oomguard._ladder.plan import Phase, Plan
@@ -51,8 +51,15 @@ def released(exc: BaseException) -> BaseException:
     """``exc`` without the frames of the failed attempt, which hold its tensors; its traceback is kept as text in
     a note (Python 3.11 and later print notes), so the error that gives up can still show where it began."""
     text = "".join(traceback.format_exception(exc)).rstrip()
-    for error in chain(exc):
+    todo, seen = [exc], set()
+    while todo:  # every linked error, contexts hidden by ``from None`` included: they still hold their frames
+        error = todo.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
         error.__traceback__ = None
+        todo += [e for e in (error.__cause__, error.__context__) if e is not None]
+        todo += list(getattr(error, "exceptions", ()))
     add_note = getattr(exc, "add_note", None)
     if add_note is not None:
         add_note(f"(the traceback of that attempt; its frames were released to free its memory)\n{text}")

@@ -105,7 +105,7 @@ def dry_run(
     try:
         with bench.probe, unpadded_masks():
             bench.probe.adopt(model, _tensors(batch))
-            runner.run(split_batch(batch, 1)[0], 1, Plan(), bench.probe)  # a one-sample warm-up: optimizer state
+            bench.run(split_batch(batch, 1)[0], Plan())  # a one-sample warm-up creates the optimizer state
             for given in plans or ():
                 bench.measure(given)
             if not plans:
@@ -134,13 +134,19 @@ class _Bench:
         self.probe = _Probe(self.budget, lambda: runner.phase)
         self.candidates: list[Candidate] = []
 
+    def run(self, batch: Any, plan: Plan) -> None:
+        """One step, and then any interrupt that was held while its optimizer step ran."""
+        try:
+            self.runner.run(batch, batch_size(batch), plan, self.probe)
+        finally:
+            self.runner.transaction.interrupts.deliver()
+
     def measure(self, plan: Plan) -> tuple[Candidate, int]:
         """The plan's measurement, and the memory resident when its step began."""
         probe = self.probe
         self.runner.effects.apply(plan, probe)  # as in any step but the plan's first: offloaded state moved
         base = probe.start()
-        part = _two_micro_batches(self.batch, plan, self.size)
-        self.runner.run(part, batch_size(part), plan, probe)
+        self.run(_two_micro_batches(self.batch, plan, self.size), plan)
         peak = probe.max_memory_allocated()
         overhead = device_overhead(peak, self.target)
         fits = peak + overhead <= self.capacity

@@ -17,7 +17,15 @@ import torch
 
 from oomguard._errors import BatchSplitError
 
-__all__ = ["batch_bucket", "batch_size", "count_items", "default_item_counter", "items_per_sample", "split_batch"]
+__all__ = [
+    "batch_bucket",
+    "batch_leaves",
+    "batch_size",
+    "count_items",
+    "default_item_counter",
+    "items_per_sample",
+    "split_batch",
+]
 
 B = TypeVar("B")
 
@@ -27,14 +35,14 @@ IGNORE_INDEX = -100  # the label value transformers (and torch's cross-entropy) 
 _Parent = tuple[str, Sequence[Any]]  # a list or tuple holding tensors directly, with its path
 
 
-def _leaves(batch: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def batch_leaves(batch: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Every splittable tensor leaf of ``batch`` with a readable path to it, e.g. ``batch['labels']``."""
     for leaf_path, tensor, _ in _leaves_in(batch, "batch", None):
         yield leaf_path, tensor
 
 
 def _leaves_in(batch: Any, path: str, parent: _Parent | None) -> Iterator[tuple[str, torch.Tensor, _Parent | None]]:
-    """Like :func:`_leaves`, with the list or tuple (its path and itself) that holds each tensor directly, if
+    """Like :func:`batch_leaves`, with the list or tuple (its path and itself) that holds each tensor directly, if
     any: what the error for a list of per-sample tensors needs to say which list it is."""
     if isinstance(batch, torch.Tensor):
         if batch.dim() > 0:
@@ -64,7 +72,7 @@ def _is_per_sample(value: Any, size: int) -> bool:
         isinstance(value, (list, tuple))
         and not _is_record(value)
         and len(value) == size
-        and next(_leaves(value), None) is None
+        and next(batch_leaves(value), None) is None
     )
 
 
@@ -260,7 +268,7 @@ def count_items(parts: Sequence[Any], counter: Callable[[Any], float]) -> list[f
 
 
 def _largest_numel(batch: Any) -> int:
-    return max((tensor.numel() for _, tensor in _leaves(batch)), default=0)
+    return max((tensor.numel() for _, tensor in batch_leaves(batch)), default=0)
 
 
 def batch_bucket(batch: Any) -> int:

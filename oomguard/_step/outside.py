@@ -3,16 +3,22 @@
 A learnable loss weight kept out of the model, an adversarial input, a parameter missing from the optimizer: their
 gradients accumulate over micro-batches like the model's, but the guard only drops the model's after a failed
 attempt. Without more, the gradient of a micro-batch that ran before the OOM would be counted again by the retry.
-So the first loss of the guard's first attempt is walked back to its leaves once, and at the first micro-batch of
-every attempt the gradients of those outside the optimizer are kept, to be put back if the attempt fails.
+So the first loss of the guard's first attempt is walked back to its leaves once (walking every step's graph
+would cost milliseconds a step), the batch's own tensors that require grad are added at every call (a fresh
+adversarial input per batch), and at the first micro-batch of every attempt the gradients of those outside the
+optimizer are kept, to be put back if the attempt fails. A leaf made anew for each batch that the loss reaches
+only through the step function's closure is not seen.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+
+from oomguard._step.batch import batch_leaves
 
 __all__ = ["OutsideLeaves"]
 
@@ -26,12 +32,15 @@ class OutsideLeaves:
         self._params = {id(p) for p in params}
         self._found: list[weakref.ref[torch.Tensor]] | None = None
 
-    def keep(self, loss: torch.Tensor) -> Saved:
-        """The leaves' gradients now (copies), before the attempt's first backward."""
+    def keep(self, loss: torch.Tensor, batch: Any) -> Saved:
+        """The leaves' gradients now (copies), before the attempt's first backward on ``batch``."""
         if self._found is None:
             self._found = [weakref.ref(leaf) for leaf in _leaves(loss) if id(leaf) not in self._params]
-        leaves = [leaf for ref in self._found if (leaf := ref()) is not None]
-        return [(leaf, None if leaf.grad is None else leaf.grad.detach().clone()) for leaf in leaves]
+        leaves = {id(leaf): leaf for ref in self._found if (leaf := ref()) is not None}
+        for _, tensor in batch_leaves(batch):
+            if tensor.requires_grad and tensor.is_leaf and id(tensor) not in self._params:
+                leaves.setdefault(id(tensor), tensor)
+        return [(leaf, None if leaf.grad is None else leaf.grad.detach().clone()) for leaf in leaves.values()]
 
     @staticmethod
     def put_back(saved: Saved) -> None:

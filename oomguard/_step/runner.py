@@ -190,6 +190,7 @@ class StepRunner:
                 self.effects.reset()
                 self.zero_grad()
                 OutsideLeaves.put_back(self._outside_grads)
+            self._outside_grads = []  # (what they held is the attempt's: not kept past it)
 
     def _clip_and_step(self, backend: MemoryBackend, scaler: torch.amp.GradScaler | None) -> float | None:
         """Clip, then the optimizer and scheduler steps as one transaction; the gradients are dropped after."""
@@ -197,10 +198,13 @@ class StepRunner:
         self.phase = Phase.OPTIMIZER
         agree = self.agreement.after_step if self.agreement is not None else None
         allow_fast = self.verdict is None or not self.verdict.journal
-        self.transaction.step(backend, self.scheduler, scaler, agree=agree, allow_fast=allow_fast)
-        self.effects.commit_scaler(scaler)
-        if self.agreement is not None and self.ddp is not None:
-            self.agreement.broadcast_buffers(self.ddp)
+        # Shutdown signals are held until the step, its loss scale and the buffers are all committed (the guard
+        # holds them on while it counts the step): an interrupt never lands between the step and its bookkeeping.
+        with self.transaction.interrupts.held():
+            self.transaction.step(backend, self.scheduler, scaler, agree=agree, allow_fast=allow_fast)
+            self.effects.commit_scaler(scaler)
+            if self.agreement is not None and self.ddp is not None:
+                self.agreement.broadcast_buffers(self.ddp)
         self.phase = Phase.DONE
         self.zero_grad()
         return grad_norm
@@ -253,7 +257,7 @@ class StepRunner:
                 loss = loss_of(self.step_fn(part))
             if total is None:  # the attempt's first backward is next
                 self._refuse_a_backward_of_its_own()
-                self._outside_grads = self._outside.keep(loss)
+                self._outside_grads = self._outside.keep(loss, job.batch)
             self.phase = Phase.BACKWARD
             weighted = loss if weight == 1.0 else loss * weight
             self._backward(scaler.scale(weighted) if scaler is not None else weighted)
