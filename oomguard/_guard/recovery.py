@@ -4,6 +4,7 @@ and how giving up is worded."""
 from __future__ import annotations
 
 import gc
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -139,6 +140,25 @@ def free_failed_attempt(
     except Exception as exc:  # a device too full even to return its cache: nothing more was freed
         if not is_oom(exc):
             raise
+    _settle(backend, base)
+
+
+def _settle(backend: MemoryBackend, base: int | None) -> None:
+    """Give what other threads still hold of the attempt a moment to go.
+
+    A collective's work object keeps its tensors (gradients, under DDP) until the communication library's own
+    thread lets it go, a little after the wait on it returned; on a loaded machine that thread may not have run
+    yet. Only where memory is still above where the attempt began, and for at most a few tens of milliseconds.
+    """
+    if base is None or not backend.tracks_allocations:
+        return
+    for _ in range(_SETTLE_TRIES):
+        if backend.memory_allocated() <= base:
+            return
+        time.sleep(_SETTLE_PAUSE)
+
+
+_SETTLE_TRIES, _SETTLE_PAUSE = 20, 0.002
 
 
 def device_telemetry(backend: MemoryBackend, requested: int | None, fix_fragmentation: bool) -> dict[str, Any] | None:
