@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from oomguard._backends.memory import MemoryBackend
 from oomguard._distributed.agreement import Agreement
 from oomguard._effects.transaction import OptimizerTransaction
 from oomguard._errors import GuardConfigError
@@ -13,7 +14,7 @@ from oomguard._guard.recovery import Call
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._step.runner import AttemptOutput, Reduction, StepRunner
 
-__all__ = ["Attempt", "OneCallAtATime", "OptimizerStep", "Run"]
+__all__ = ["Attempt", "OneCallAtATime", "Run", "Tail", "undoable"]
 
 T = TypeVar("T")
 
@@ -100,20 +101,34 @@ class Run(Attempt[AttemptOutput]):
         return verdict.phase if verdict is not None and verdict.outcome != "ok" else None
 
 
-class OptimizerStep(Attempt[None]):
-    """An optimizer step someone else drives (the Trainer's), made undoable by the transaction.
+class Tail(Attempt[T]):
+    """A part of a step that someone else drives after the guarded forward and backward (the Trainer's clipping
+    and optimizer step).
 
-    On a cheaper plan (after an OOM in the step) ``replan`` first recomputes the same batch's gradients on it and
-    returns the plan that took (a replay may go deeper still); then the step runs again.
+    On a cheaper plan (after an OOM in the part) ``replan`` first recomputes the same batch's gradients on it and
+    returns the plan that took (a replay may go deeper still); then the part runs again.
     """
 
-    def __init__(
-        self, call: Call, transaction: OptimizerTransaction, run: Callable[[], None], replan: Callable[[Plan], Plan]
-    ) -> None:
-        self.call, self.transaction, self.run, self.replan = call, transaction, run, replan
+    def __init__(self, call: Call, run: Callable[[], T], replan: Callable[[Plan], Plan], phase: Phase) -> None:
+        self.call, self.run, self.replan, self._phase = call, run, replan, phase
         self.ran_on = call.plan  # the plan the gradients were computed on
 
-    def __call__(self, plan: Plan) -> None:
+    def __call__(self, plan: Plan) -> T:
         if plan != self.ran_on:
             self.ran_on = self.call.plan = self.replan(plan)
-        self.transaction.step(self.call.backend, run=self.run)
+        return self.run()
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+
+def undoable(transaction: OptimizerTransaction, backend: MemoryBackend, run: Callable[[], T]) -> Callable[[], T]:
+    """``run`` (an optimizer step) through the transaction: undone if it raises."""
+
+    def step() -> T:
+        result: list[T] = []
+        transaction.step(backend, run=lambda: result.append(run()))
+        return result[0]
+
+    return step

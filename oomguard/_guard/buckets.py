@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Plan
 from oomguard._ladder.predict import PeakModel
 
-__all__ = ["Buckets", "Choice"]
+__all__ = ["Buckets", "Choice", "weakly"]
 
 # After a failed save, the next is tried no sooner than this many seconds later, doubling up to the maximum.
 _FIRST_BACKOFF, _MAX_BACKOFF = 1.0, 60.0
@@ -241,3 +242,16 @@ class Buckets:
         """Clean steps the bucket still waits before trying a cheaper plan."""
         state = self._buckets[bucket]
         return max(0, state.wait - state.clean)
+
+
+def weakly(method: Callable[[OSError | None], None]) -> Callable[[OSError | None], None]:
+    """``method`` without the reference to its object (a bound method of an object it is stored in would make a
+    reference cycle, which only the cyclic garbage collector frees)."""
+    weak = weakref.WeakMethod(method)
+
+    def call(error: OSError | None) -> None:
+        bound = weak()
+        if bound is not None:
+            bound(error)
+
+    return call

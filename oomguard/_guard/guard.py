@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 import weakref
 from collections.abc import Callable
@@ -35,8 +36,8 @@ from oomguard._events import (
     log_event,
     logger,
 )
-from oomguard._guard.attempts import Attempt, OneCallAtATime, OptimizerStep, Run
-from oomguard._guard.buckets import Buckets, Choice
+from oomguard._guard.attempts import Attempt, OneCallAtATime, Run, Tail, undoable
+from oomguard._guard.buckets import Buckets, Choice, weakly
 from oomguard._guard.persist import UNSAVED_ADVICE, PlanStore, model_fingerprint
 from oomguard._guard.recovery import (
     Bounds,
@@ -50,7 +51,7 @@ from oomguard._guard.recovery import (
 )
 from oomguard._guard.results import GuardSummary, StepResult
 from oomguard._guard.tally import Tally
-from oomguard._ladder.plan import Plan
+from oomguard._ladder.plan import Phase, Plan
 from oomguard._ladder.rungs import RungContext
 from oomguard._options import GuardOptions, build_runner, model_context, takes_options
 from oomguard._planner.fakes import preplan
@@ -61,6 +62,7 @@ __all__ = ["OOMGuard"]
 
 _EVENTS_KEPT = 10_000  # in memory; the log file keeps everything
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class OOMGuard:
@@ -82,7 +84,7 @@ class OOMGuard:
         self._device = next(self.model.parameters()).device
         self._buckets = Buckets(
             self.ladder, self.options.relax_after, self.options.predictive, self._runner.grad_bytes,
-            on_save=_weakly(self._state_file_saved),  # weakly: the guard must die (and undo its effects) when dropped
+            on_save=weakly(self._state_file_saved),  # weakly: the guard must die (and undo its effects) when dropped
         )  # fmt: skip
         self._bounds = Bounds(self.options.max_attempts, self.options.max_recovery_seconds)
         self._tally = Tally()
@@ -93,6 +95,7 @@ class OOMGuard:
         self._last: Call | None = None  # the last call that succeeded, without its batch
         self._last_plan = Plan()
         self._plan_rung: str | None = None  # the rung engaged last, named in OOM events
+        self._replaying: Call | None = None  # the step whose gradients a call recomputes (see protected_step)
         # A guard that is dropped undoes what its plan did to the model, as close() does (not at exit).
         weakref.finalize(self, self.effects.undo, logged=True).atexit = False
 
@@ -145,34 +148,40 @@ class OOMGuard:
         to step with (through :meth:`protected_step`). ``reduction`` overrides the guard's for this batch."""
         return self._call(batch, step=False, reduction=reduction)
 
-    def protected_step(self, run: Callable[[], None], replay: Callable[[], None]) -> None:
-        """An optimizer step driven from outside the guard (the Trainer's), made undoable and recoverable.
+    def protected_step(self, run: Callable[[], R], replay: Callable[[], None], *, phase: Phase = Phase.OPTIMIZER) -> R:
+        """A part of the last call's step that someone else drives after it (the Trainer's clipping and optimizer
+        step), recovered as part of that step; returns what ``run`` returns.
 
-        ``run`` steps the optimizer; on an OOM it is undone, the guard recovers one rung down (the phase is the
-        optimizer step, so the ladder prefers what relieves it), ``replay`` recomputes the gradients of the same
-        batch on the new plan (through :meth:`accumulate`), and the step runs again: still exactly one step.
+        ``run`` does the part (an optimizer step, with ``phase`` :attr:`Phase.OPTIMIZER`, is made undoable by the
+        guard's transaction). On an OOM the guard frees what it held and moves one rung down for ``phase``;
+        ``replay`` recomputes the same batch's gradients on the new plan (through :meth:`accumulate`, which then
+        counts as a retry of the same step, not a new one), and ``run`` runs again: still exactly one step. The
+        events name the step of the last call, and a recovery counts that step as recovered.
         """
-        last = self._last
-        if last is None:  # no guarded call yet: no batch to replay on a cheaper plan, so only undoable
-            try:
-                self.transaction.step(current_backend(self._device), run=run)
-            finally:
-                self.transaction.interrupts.deliver()
-            return
-        bucket = last.choice.bucket
-        call = Call(None, last.size, current_backend(self._device), Choice(bucket, self._last_plan), self._last_plan,
-                    last.items_per_sample)  # fmt: skip
-
-        def replan(plan: Plan) -> Plan:
-            self._buckets.escalated(bucket, plan)
-            replay()
-            return self._last_plan  # where the replay settled
-
+        last, backend = self._last, current_backend(self._device)
+        part = undoable(self.transaction, backend, run) if phase == Phase.OPTIMIZER else run
         with self._busy:
             try:
-                self._recover(call, OptimizerStep(call, self.transaction, run, replan))
+                if last is None:  # no guarded call yet: no batch to replay on a cheaper plan
+                    return part()
+                call = Call(None, last.size, backend, Choice(last.choice.bucket, self._last_plan), self._last_plan,
+                            last.items_per_sample, last.step)  # fmt: skip
+                result = self._recover(call, Tail(call, part, functools.partial(self._replay, call, replay), phase))
+                if call.tried:
+                    self._recovered(call, self._last_plan)
+                return result
             finally:
                 self.transaction.interrupts.deliver()
+
+    def _replay(self, call: Call, replay: Callable[[], None], plan: Plan) -> Plan:
+        """``replay`` of the batch of ``call``'s step on ``plan``, a retry of that step; the plan it settled on."""
+        self._buckets.escalated(call.choice.bucket, plan)
+        self._replaying = call
+        try:
+            replay()
+        finally:
+            self._replaying = None
+        return self._last_plan
 
     def _call(self, batch: Any, *, step: bool, reduction: Reduction | None = None) -> StepResult:
         with self._busy:
@@ -192,7 +201,8 @@ class OOMGuard:
             agreed = agreement.plan(choice.plan, size, self.ladder)
             if agreed != choice.plan:
                 choice = Choice(choice.bucket, agreed)
-        call = Call(batch, size, backend, choice, choice.plan, per_sample)
+        step_number = self.steps if self._replaying is None else self._replaying.step
+        call = Call(batch, size, backend, choice, choice.plan, per_sample, step_number)
         output = self._recover(call, Run(self._runner, call, step=step, reduction=reduction))
         with self.transaction.interrupts.held():  # (delivered by _call once the step is counted)
             return self._succeed(call, output)
@@ -230,7 +240,7 @@ class OOMGuard:
         lost = failure.seconds + time.perf_counter() - cleanup_started  # the attempt and the cleanup after it
         call.seconds_lost += lost
         telemetry = device_telemetry(call.backend, failure.summary.requested_bytes, self.options.fix_fragmentation)
-        self._emit(OOMEvent(self.steps, failure.plan.to_dict(), failure.summary.memory, len(call.tried),
+        self._emit(OOMEvent(call.step, failure.plan.to_dict(), failure.summary.memory, len(call.tried),
                             self._plan_rung, failure.summary, freed, lost, telemetry))  # fmt: skip
         items = round(failure.plan.effective_micro_batch_size(call.size) * call.items_per_sample)
         self._buckets.learn_failure(failure.plan, items, failure.base, call.backend)
@@ -253,7 +263,7 @@ class OOMGuard:
             if not bound:
                 self._plan_rung = rung.name
                 change = f"{failure.plan.describe(call.size)} -> {plan.describe(call.size)}"
-                self._emit(FallbackEvent(self.steps, plan.to_dict(), freed, rung.name,
+                self._emit(FallbackEvent(call.step, plan.to_dict(), freed, rung.name,
                                          failure.plan.to_dict(), failure.summary.memory, change))  # fmt: skip
         if bound:
             self._give_up(call, bound, failure.error)
@@ -286,41 +296,48 @@ class OOMGuard:
         last attempt's error)."""
         unrestored = self.effects.undo()
         memory = snapshot(call.backend)
-        self._emit(ExhaustedEvent(self.steps, call.plan.to_dict(), memory, reason, len(call.tried),
+        self._emit(ExhaustedEvent(call.step, call.plan.to_dict(), memory, reason, len(call.tried),
                                   tuple(plan.to_dict() for plan, _ in call.tried)))  # fmt: skip
-        message = give_up_message(call, reason, memory, step=self.steps, bounds=self._bounds,
+        message = give_up_message(call, reason, memory, step=call.step, bounds=self._bounds,
                                   rungs=", ".join(self.ladder.names), unrestored=unrestored)  # fmt: skip
         error = LadderExhausted if reason == "ladder" else RecoveryLimitExceeded
-        raise error(message, step=self.steps, tried=tuple(call.tried), memory=memory) from cause
+        raise error(message, step=call.step, tried=tuple(call.tried), memory=memory) from cause
 
     # -- success ----------------------------------------------------------------------------------------
     def _succeed(self, call: Call, output: AttemptOutput) -> StepResult:
-        plan, ooms = call.plan, len(call.tried)
+        plan = call.plan
         items = round(output.micro_batch_size * call.items_per_sample)
         self._buckets.learn_success(plan, items, output.peak - output.base, call.backend)
         result = StepResult(
             loss=output.loss, micro_batch_size=plan.effective_micro_batch_size(call.size),
-            rungs=plan.rungs(call.size), ooms=ooms, step=self.steps, batch_size=call.size,
+            rungs=plan.rungs(call.size), ooms=len(call.tried), step=call.step, batch_size=call.size,
             micro_batches=output.micro_batches, plan=plan, grad_norm=output.grad_norm, seconds_lost=call.seconds_lost,
         )  # fmt: skip
-        self._tally.count_step(result.rungs)
         self._last_plan = plan
         self._last = dataclasses.replace(call, batch=None)  # its batch is the caller's to free
         choice = call.choice
         self._buckets.succeeded(choice, plan)
         if choice.relaxing and plan == choice.plan:
             self._emit_relax(call, "held")
+        replaying = self._replaying
+        if replaying is not None:  # a replay of a step: counted once, by the part of the step that needed it
+            replaying.tried += call.tried
+            replaying.seconds_lost += call.seconds_lost
+            return result
+        self._tally.count_step(result.rungs)
+        if call.tried:
+            self._recovered(call, plan)
         log_every = self.options.log_every
-        progress = log_every is not None and (result.step % log_every == 0 or ooms > 0)
-        if ooms or progress:  # the figures only when an event carries them (on CUDA, reading them costs)
-            memory = snapshot(call.backend)
-            if ooms:
-                self._emit(RecoveredEvent(result.step, plan.to_dict(), memory, result.rungs, ooms, call.seconds_lost,
-                                          plan.describe(call.size)))  # fmt: skip
-            if progress:
-                self._emit(ProgressEvent(result.step, plan.to_dict(), dataclasses.replace(memory, peak=output.peak),
-                                         output.loss, choice.bucket, dict(self._tally.steps_by_rung)))  # fmt: skip
+        if log_every is not None and (result.step % log_every == 0 or call.tried):  # (on CUDA, reading figures costs)
+            memory = dataclasses.replace(snapshot(call.backend), peak=output.peak)
+            self._emit(ProgressEvent(result.step, plan.to_dict(), memory, output.loss, choice.bucket,
+                                     dict(self._tally.steps_by_rung)))  # fmt: skip
         return result
+
+    def _recovered(self, call: Call, plan: Plan) -> None:
+        """The step of ``call`` succeeded after its out-of-memory errors: an event says on which plan."""
+        self._emit(RecoveredEvent(call.step, plan.to_dict(), snapshot(call.backend), plan.rungs(call.size),
+                                  len(call.tried), call.seconds_lost, plan.describe(call.size)))  # fmt: skip
 
     def _emit_relax(self, call: Call, outcome: str) -> None:
         choice = call.choice
@@ -328,7 +345,7 @@ class OOMGuard:
             raise ValueError("a relax event needs the choice of a try at a cheaper plan")
         self._emit(
             RelaxEvent(
-                step=self.steps - (outcome == "held"),
+                step=call.step,
                 plan=choice.plan.to_dict(),
                 memory=snapshot(call.backend),
                 rung=choice.given_back,
@@ -377,16 +394,3 @@ class OOMGuard:
                 sink(event)
             except Exception:  # a broken sink must not kill a long training job
                 logger.exception("oomguard: event sink %r failed", sink)
-
-
-def _weakly(method: Callable[[OSError | None], None]) -> Callable[[OSError | None], None]:
-    """``method`` without the reference to its object (a bound method of an object it is stored in would make a
-    reference cycle, which only the cyclic garbage collector frees)."""
-    weak = weakref.WeakMethod(method)
-
-    def call(error: OSError | None) -> None:
-        bound = weak()
-        if bound is not None:
-            bound(error)
-
-    return call

@@ -80,6 +80,7 @@ class Call:
     choice: Choice
     plan: Plan
     items_per_sample: float
+    step: int  # the step the call counts as (a replay of a step keeps that step's number)
     tried: list[tuple[Plan, FailureSummary]] = field(default_factory=list)
     seconds_lost: float = 0.0
     #: tenacity's view of the attempts so far (their number, and the time since the call began).

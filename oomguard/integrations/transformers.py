@@ -1,10 +1,16 @@
 """``OOMGuardTrainer``: the Hugging Face Trainer with oomguard's recovery, as a drop-in subclass.
 
-``per_device_train_batch_size`` stays the effective batch. On an OOM in ``training_step`` the same batch is
-retried, split into micro-batches (and deeper rungs), inside the same call: the training loop is not restarted,
-and ``global_step``, the optimizer and the scheduler are untouched. The Trainer calls ``optimizer.step()``
-outside ``training_step``; that call is made undoable too, and an OOM there is recovered by recomputing the
-same batch's gradients on a cheaper plan and stepping again, so there is still exactly one step.
+``per_device_train_batch_size`` stays the effective batch. Every allocation of a training step is protected: the
+forward and backward (the Trainer's ``compute_loss``, through the guard, split into micro-batches and deeper rungs
+when memory requires it), the loss checks, the clipping and the optimizer step. An OOM anywhere in it is recovered
+inside the same call, on the same batch, one rung down: the training loop is not restarted, and ``global_step``,
+the optimizer and the scheduler see exactly one step. An OOM in the clipping or the optimizer step (undone first)
+recomputes the batch's gradients on the cheaper plan and runs that part again.
+
+Any Trainer subclass composes, with ``OOMGuardTrainer`` first: ``class MyTrainer(OOMGuardTrainer, SFTTrainer)``.
+The subclass's own ``training_step`` and ``compute_loss`` still run (TRL's activation-offloading context included);
+what a failed attempt added to the trainer's plain-data attributes (TRL's ``_metrics``, token counts, your own
+counters) is taken back before the retry, so logged metrics are those of a run without OOMs.
 
 Losses stay exact: when the model normalises its loss by ``num_items_in_batch`` (token-weighted, the
 Trainer's default for causal LMs), the micro-batch losses are summed; otherwise each micro-batch's mean is
@@ -23,20 +29,40 @@ Example::
 from __future__ import annotations
 
 import types
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from transformers import Trainer
+from transformers.training_args import ParallelMode
 
+from oomguard._backends.memory import current_backend
 from oomguard._errors import GuardConfigError
+from oomguard._events import Event
 from oomguard._guard.guard import OOMGuard
+from oomguard._ladder.plan import Phase
 from oomguard._step.runner import Reduction
+from oomguard.integrations._rollback import PlainState
 
 __all__ = ["OOMGuardTrainer"]
 
 # The Trainer's own parts of a step: its model, optimizer and scheduler, its clipping, its loss reduction, and its
 # Accelerator (which runs backward and mixed precision).
 _TRAINER_OWNS = frozenset({"model", "optimizer", "scheduler", "max_grad_norm", "reduction", "accelerator"})
+R = TypeVar("R")
+
+
+@dataclass
+class _StepInProgress:
+    """The training step in progress, for a replay: its model, batch and item count, and what an OOM now puts
+    back (the trainer's records before the attempt)."""
+
+    model: Any = None
+    inputs: Any = None
+    items: Any = None
+    replaying: bool = False
+    rollback: PlainState | None = None
 
 
 class OOMGuardTrainer(Trainer):  # type: ignore[misc]
@@ -46,8 +72,21 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
         oomguard: options for the guard, as for :func:`oomguard.oom_guard` (``log_file``, ``state_file``,
             ``ladder``, ``relax_after``...). The model, optimizer, scheduler, clipping and reduction are the
             Trainer's.
-        *args, **kwargs: as for :class:`transformers.Trainer`.
+        *args, **kwargs: as for :class:`transformers.Trainer` (or the Trainer subclass it is combined with).
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        ahead = [k for k in mro[1 : mro.index(OOMGuardTrainer)] if issubclass(k, Trainer)]
+        ahead = [k for k in ahead if not issubclass(k, OOMGuardTrainer)]
+        if ahead:
+            other = ahead[0].__name__
+            raise TypeError(
+                f"{cls.__name__} lists {other} before OOMGuardTrainer, so {other}'s training_step and compute_loss "
+                f"would run unguarded (and {other}.__init__ does not take oomguard=): write "
+                f"class {cls.__name__}(OOMGuardTrainer, {other}), OOMGuardTrainer first"
+            )
 
     def __init__(self, *args: Any, oomguard: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -62,9 +101,7 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
             raise GuardConfigError(f"OOMGuardTrainer sets {reserved} itself; remove them from oomguard=")
         self._oomguard_options = dict(oomguard or {})
         self._guard: OOMGuard | None = None
-        self._inputs: Any = None
-        self._items: Any = None
-        self._reduction: Reduction = "mean"
+        self._oomguard_step = _StepInProgress()  # (not plain data: what a failed attempt puts back leaves it alone)
 
     @property
     def oomguard(self) -> OOMGuard:
@@ -76,41 +113,126 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
     def _build_guard(self, model: torch.nn.Module) -> OOMGuard:
         trainer = self
 
-        def forward(part: Any) -> torch.Tensor:
-            with trainer.compute_loss_context_manager():
-                loss: torch.Tensor = trainer.compute_loss(model, part, num_items_in_batch=trainer._items)
+        def forward(part: Any) -> torch.Tensor:  # the class's compute_loss: the subclass's, under the stand-in
+            compute_loss = getattr(type(trainer), "compute_loss")  # noqa: B009  (not the instance attribute)
+            loss: torch.Tensor = compute_loss(trainer, model, part, num_items_in_batch=trainer._oomguard_step.items)
             return loss
 
         inner: Any = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside Accelerate's
-        guard = OOMGuard(forward, model=model, optimizer=inner, accelerator=self.accelerator, **self._oomguard_options)
+        options = dict(self._oomguard_options)
+        options["sinks"] = [*options.get("sinks", ()), self._take_back]
+        guard = OOMGuard(forward, model=model, optimizer=inner, accelerator=self.accelerator, **options)
         accelerated_step = self.optimizer.step
 
         def step(optimizer: Any, *args: Any, **kwargs: Any) -> None:
-            guard.protected_step(lambda: accelerated_step(*args, **kwargs), trainer._replay)
+            trainer._protected(lambda: accelerated_step(*args, **kwargs), Phase.OPTIMIZER)
             optimizer._opt_called = True  # what the scheduler's own step tracker would record
 
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # (the scheduler checks for its tracker)
         self.optimizer.step = types.MethodType(step, self.optimizer)  # the Trainer's own call goes through it
         return guard
 
-    def _replay(self) -> None:
-        """Recompute the last batch's gradients (on the guard's new plan) and clip them as the Trainer did."""
-        self.oomguard.accumulate(self._inputs, self._reduction)
-        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-            self._clip_grad_norm(self.model_wrapped)
-
+    # -- the step -------------------------------------------------------------------------------------------
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
-        """Forward and backward of the whole batch, split into micro-batches if memory requires it."""
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
+        """The Trainer's (or the subclass's) training step, its forward and backward run by the guard: the whole
+        batch, split into micro-batches if memory requires it. Returns the loss as a host tensor (see
+        :meth:`_stand_in`)."""
         if self._guard is None:
             self._guard = self._build_guard(model)
+        self._keep_loss_on_host()
+        self._oomguard_step.model = model
+        outermost = not self._oomguard_step.replaying
+        if outermost:
+            self._oomguard_step.rollback = PlainState(self)
+        self.compute_loss = self._guarded_loss  # (the instance attribute shadows every class's compute_loss)
+        try:
+            loss: torch.Tensor = super().training_step(model, inputs, num_items_in_batch)
+            return loss
+        finally:
+            del self.compute_loss
+            if outermost:
+                self._oomguard_step.rollback = None
+
+    def _guarded_loss(
+        self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """``compute_loss`` as the training step calls it: the guard's forward and backward of the whole batch,
+        then the stand-in for the Trainer's own backward."""
+        if return_outputs:
+            raise GuardConfigError(
+                "a training_step asked compute_loss for its outputs; under OOMGuardTrainer the forward may run in "
+                "micro-batches, so there is no one output to return: compute what you need from the outputs in "
+                "compute_loss itself"
+            )
+        self._oomguard_step.inputs, self._oomguard_step.items = inputs, num_items_in_batch
         scaled_by_model = bool(self.model_accepts_loss_kwargs and num_items_in_batch is not None)
-        self._reduction = "sum" if scaled_by_model or self.compute_loss_func else "mean"
-        self._inputs, self._items = inputs, num_items_in_batch
-        result = self._guard.accumulate(inputs, self._reduction)
-        return torch.tensor(result.loss, device=self.args.device)
+        reduction: Reduction = "sum" if scaled_by_model or self.compute_loss_func else "mean"
+        result = self.oomguard.accumulate(inputs, reduction)
+        return self._stand_in(result.loss)
+
+    def _stand_in(self, loss: float) -> torch.Tensor:
+        """The loss, for the training step to backpropagate and return once the guard has done both.
+
+        A host tensor that requires grad and reaches no parameter: its backward changes no gradient, and the
+        Trainer's own checks of it (NaN/Inf, the running sum) allocate no device memory, so they cannot run out.
+        """
+        template = getattr(self, "_tr_loss", None)
+        if not isinstance(template, torch.Tensor):  # (a training_step called outside train())
+            return torch.tensor(loss, requires_grad=True)
+        return template.detach().clone().fill_(loss).requires_grad_()
+
+    def _keep_loss_on_host(self) -> None:
+        """The Trainer's running loss on the host, where the stand-in loss is added to it."""
+        running = getattr(self, "_tr_loss", None)
+        backend = current_backend(self.args.device)
+        if isinstance(running, torch.Tensor) and backend.is_device(running):
+            self._tr_loss = backend.to_host(running)
+            backend.synchronize()
+
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # Gathering the running loss across ranks needs it on the device (NCCL): there, for the gather only.
+        if self.args.parallel_mode != ParallelMode.DISTRIBUTED or tr_loss.device == self.args.device:
+            return super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
+        on_device = tr_loss.to(self.args.device)
+        try:
+            return super()._maybe_log_save_evaluate(on_device, *args, **kwargs)
+        finally:
+            tr_loss.copy_(on_device)
+
+    # -- after the backward: clipping and the optimizer step ----------------------------------------------
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        clip = super()._clip_grad_norm
+        return self._protected(lambda: clip(model), Phase.CLIP)
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        norm = super()._get_grad_norm
+        if grad_norm is not None:  # (clipping measured it)
+            return norm(model, grad_norm)
+        return self._protected(lambda: norm(model), Phase.CLIP)
+
+    def _protected(self, run: Callable[[], R], phase: Phase) -> R:
+        """``run``, a part of the step after the backward, recovered by the guard as part of that step."""
+        if self._guard is None or self._oomguard_step.replaying:
+            return run()
+        return self._guard.protected_step(run, lambda: self._replay(clip=phase == Phase.OPTIMIZER), phase=phase)
+
+    def _replay(self, clip: bool) -> None:
+        """Recompute the step's gradients on the guard's new plan (and clip them as the Trainer did, when the
+        optimizer step is what is run again). What the replay adds to the trainer's records is taken back: the
+        step's own attempt already counted this batch."""
+        self._oomguard_step.rollback = before = PlainState(self)
+        self._oomguard_step.replaying = True
+        try:
+            self.training_step(self._oomguard_step.model, self._oomguard_step.inputs, self._oomguard_step.items)
+            if clip and self.args.max_grad_norm and self.args.max_grad_norm > 0:
+                self._clip_grad_norm(self._oomguard_step.model)
+        finally:
+            self._oomguard_step.replaying, self._oomguard_step.rollback = False, None
+            before.restore()
+
+    def _take_back(self, event: Event) -> None:
+        """An event sink: an OOM puts the trainer's records back as they were before the failed attempt."""
+        if event.kind == "oom" and self._oomguard_step.rollback is not None:
+            self._oomguard_step.rollback.restore()
