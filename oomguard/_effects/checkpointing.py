@@ -57,15 +57,17 @@ class CheckpointingEffect(Effect):
 
 
 def user_checkpointing(model: torch.nn.Module) -> bool:
-    """Whether the user already checkpoints every layer (then the rung has nothing to add)."""
-    flag = (
-        "is_activation_checkpointing"
-        if hasattr(type(model), "is_activation_checkpointing")
-        else "is_gradient_checkpointing"
-    )
-    return bool(getattr(model, flag, False)) and all(
-        getattr(block, "gradient_checkpointing", True) for block in find_blocks(model)
-    )
+    """Whether the user already checkpoints every layer (then the rung has nothing to add).
+
+    Asks the transformers model inside any wrapper (``torch.compile``'s, PEFT's) through its public
+    ``is_activation_checkpointing``; never the deprecated ``is_gradient_checkpointing`` a wrapper would forward to.
+    """
+    inner = next((m for m in model.modules() if hasattr(type(m), "is_activation_checkpointing")), None)
+    if inner is not None:
+        on = bool(inner.is_activation_checkpointing)
+    else:  # not a transformers model: the layers' own flags
+        on = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    return on and all(getattr(block, "gradient_checkpointing", True) for block in find_blocks(model))
 
 
 def enable_checkpointing(model: torch.nn.Module, mode: CheckpointingMode) -> Callable[[], None]:

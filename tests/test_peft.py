@@ -1,0 +1,49 @@
+"""PEFT LoRA, the commonest 6 GB job: the example runs, and the guard reads a wrapped model's checkpointing
+through the public API (no deprecation warning from PEFT's or torch.compile's wrapper)."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_llama
+
+peft = pytest.importorskip("peft")
+
+from oomguard._effects.checkpointing import user_checkpointing  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "peft_lora.py"
+
+
+def test_the_lora_example_recovers_and_leaves_the_base_weights_alone(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("peft_lora", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    frozen = {name: p.detach().clone() for name, p in example.lora_model(torch.device("cpu")).named_parameters()}
+    step = example.main(steps=3, log_file=str(tmp_path / "peft_lora.jsonl"))
+    summary = step.guard.summary()
+    assert summary.steps == 3 and summary.ooms >= 1 and "micro_batch" in summary.fallbacks
+    trained = dict(step.guard.model.named_parameters())
+    changed = [name for name, p in trained.items() if not torch.equal(p, frozen[name])]
+    assert changed and all("lora_" in name for name in changed), "only the adapters trained"
+    assert (tmp_path / "peft_lora.jsonl").exists()
+
+
+def _lora(model: torch.nn.Module) -> torch.nn.Module:
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, config)
+
+
+@pytest.mark.parametrize("wrap", ["peft", "compile"])
+def test_checkpointing_of_a_wrapped_model_is_read_without_a_deprecation_warning(wrap: str) -> None:
+    model = make_llama()
+    wrapped = _lora(model) if wrap == "peft" else torch.compile(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a FutureWarning (is_gradient_checkpointing) fails the test
+        assert not user_checkpointing(wrapped)
+        model.activation_checkpointing_enable()
+        assert user_checkpointing(wrapped)

@@ -1,0 +1,100 @@
+"""TRL's SFTTrainer under the guard, composed the way a user writes it: its metrics count each batch once."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from oomguard.testing import SimulatedGPU
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "trl_sft.py"
+spec = importlib.util.spec_from_file_location("trl_sft", EXAMPLE)
+assert spec is not None and spec.loader is not None
+trl_sft = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(trl_sft)
+
+ROOMY = "256MiB"  # the whole batch fits (TRL's chunked log-prob buffer included): only injected faults strike
+METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+
+
+def logged(trainer: Any) -> list[dict[str, float]]:
+    return [{k: entry[k] for k in METRICS} for entry in trainer.state.log_history if "loss" in entry]
+
+
+def assert_same_metrics(trainer: Any, reference: Any) -> None:
+    got, expected = logged(trainer), logged(reference)
+    assert [e["num_tokens"] for e in got] == [e["num_tokens"] for e in expected], "tokens counted once each"
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6), f"step {step}"
+
+
+def test_the_example_trains_recovers_and_counts_tokens_once(tmp_path: Path) -> None:
+    reference = trl_sft.build(3, str(tmp_path / "reference"))
+    reference.train()
+    trainer = trl_sft.main(steps=3, output_dir=str(tmp_path / "guarded"))
+    assert trainer.state.global_step == 3
+    summary = trainer.oomguard.summary()
+    assert summary.ooms >= 1 and "micro_batch" in summary.fallbacks
+    got, expected = logged(trainer), logged(reference)
+    assert [e["num_tokens"] for e in got] == [e["num_tokens"] for e in expected]
+    assert [e["loss"] for e in got] == pytest.approx([e["loss"] for e in expected], rel=1e-5)  # token-weighted
+    assert (tmp_path / "guarded" / "oomguard.jsonl").exists()
+
+
+def _faulty(phase: str, gpu_box: list[Any]) -> type:
+    """GuardedSFT with one injected OOM in ``phase`` of the second step."""
+
+    class Faulty(trl_sft.GuardedSFT):  # type: ignore[misc,name-defined]
+        armed = False
+
+        def arm(self, *_: Any) -> None:
+            if self.state.global_step == 1 and not self.armed:
+                self.armed = True
+                gpu_box[0].fail_allocation(1)
+
+        def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+            if phase == "clip":
+                self.arm()
+            return super()._clip_grad_norm(model)
+
+        def create_optimizer(self) -> Any:
+            optimizer = super().create_optimizer()
+            if phase == "optimizer":
+                optimizer.register_step_pre_hook(self.arm)
+            return optimizer
+
+    return Faulty
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "clip", "optimizer"])
+def test_sft_metrics_after_an_oom_equal_the_oom_free_runs(tmp_path: Path, phase: str) -> None:
+    """The retried attempt runs SFTTrainer's compute_loss again; what the failed one added to ``_metrics`` and
+    the token count is taken back. (The rungs here keep the maths: checkpointing recomputes the same forward, and
+    layer offload moves weights, so the figures must match an OOM-free run's.)"""
+    reference = trl_sft.build(3, str(tmp_path / "reference"))
+    reference.train()
+    gpu_box: list[Any] = []
+    options = {"ladder": ["checkpointing", "layer_offload"], "step_journal": "always"}
+    trainer_class = _faulty(phase, gpu_box)
+    trainer = trl_sft.build(3, str(tmp_path / phase), options, trainer_class=trainer_class)
+    model = trainer.model
+    if phase == "forward":
+        model.register_forward_pre_hook(trainer.arm)
+    elif phase == "backward":  # (fires as this weight's gradient is computed, half-way through backward)
+        model.model.layers[-1].mlp.down_proj.weight.register_hook(lambda grad: trainer.arm())
+    with SimulatedGPU(ROOMY) as gpu:
+        gpu_box.append(gpu)
+        gpu.adopt(model)
+        trainer.train()
+    (oom,) = [e for e in trainer.oomguard.events if e.kind == "oom"]
+    assert oom.error.phase == phase and oom.step == 1
+    summary = trainer.oomguard.summary()
+    assert (summary.steps, summary.recovered_steps) == (3, 1)
+    assert_same_metrics(trainer, reference)
