@@ -98,8 +98,8 @@ def oom_guard(fn: Callable[[Any], Any] | None = None, /, **options: Any) -> Any:
         predictive: size micro-batches from the measured peaks of successful steps instead of halving blindly.
         bucket: maps a batch to its bucket (plans are kept per bucket); default: its largest tensor's element
             count rounded up to a power of two, so a rare long batch escalates only its own bucket.
-        log_every: write a ``progress`` event (loss, plan, peak, steps per rung) every this many steps, for
-            ``oomguard report``; ``None``: only OOM-related events.
+        log_every: write a ``progress`` event (loss, plan, peak, steps per rung) for each of the first this
+            many steps, then every this many steps, for ``oomguard report``; ``None``: only OOM-related events.
         fix_fragmentation: when an OOM shows allocator fragmentation on CUDA, switch the allocator to
             ``expandable_segments:True`` (otherwise the event only recommends it).
         accelerator: a Hugging Face ``accelerate.Accelerator``: backward and clipping go through it (its loss

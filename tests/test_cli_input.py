@@ -239,3 +239,27 @@ def test_the_command_exits_2_with_one_line_on_stderr(fields: dict[str, Any], ans
     )  # fmt: skip
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr.splitlines() == [f"oomguard plan: {path}: {answer}"]
+
+
+def test_a_short_run_is_reported_and_plotted_step_by_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 6-step job with one recovered OOM: the report covers all 6 steps, and every step is a point of the plot
+    (progress events for each of the first log_every steps), not just step 0."""
+    import torch
+
+    from oomguard import oom_guard
+    from oomguard.testing import SimulatedGPU
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "short.jsonl"
+    step = oom_guard(lambda b: model(b).square().mean(), model=model, optimizer=optimizer, log_file=log)
+    with SimulatedGPU("1MiB") as gpu:
+        gpu.adopt(model)
+        for _ in range(6):
+            step(torch.randn(512, 64))
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert any(e["event"] == "oom" for e in events), "the batch did not fit at first"
+    assert sorted(e["step"] for e in events if e["event"] == "progress") == [0, 1, 2, 3, 4, 5]
+    out = _report(log, capsys, "--plot", str(tmp_path / "short.png"))
+    assert "6 steps logged (1 run(s)), " in out and (tmp_path / "short.png").is_file()

@@ -350,8 +350,10 @@ def test_events_are_json_lines_and_one_log_line_each(tmp_path: Any, caplog: pyte
     with caplog.at_level(logging.INFO, logger="oomguard"), SimulatedGPU("128KiB") as gpu:
         gpu.adopt(model)
         result = step(tuple_batch(n=64))
-        step(tuple_batch(n=64))  # the learned plan fits: no event
+        step(tuple_batch(n=64))  # the learned plan fits: no OOM event, only its progress (one of the first 10)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
+    *lines, second = lines
+    assert (second["event"], second["step"], second["steps_by_rung"]) == ("progress", 1, {"micro_batch": 2})
     kinds = [line["event"] for line in lines]
     assert kinds == ["oom", "fallback"] * result.ooms + ["recovered", "progress"]
     for line in lines:

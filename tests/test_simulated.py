@@ -599,3 +599,28 @@ def test_forward_and_backward_return_to_the_adopted_baseline() -> None:
             p.grad = None
         assert gpu.memory_allocated() == baseline
         assert gpu.max_memory_allocated() >= with_grads
+
+
+def test_a_compiled_model_is_said_to_run_eagerly_under_the_simulation_once() -> None:
+    """torch.compile skips frames run under the simulation's dispatch mode: a user is told, once per device."""
+    import warnings
+
+    from oomguard import oom_guard
+
+    model = torch.nn.Linear(4, 2)
+    compiled = torch.compile(model)
+    with SimulatedGPU("1MiB") as gpu:
+        with pytest.warns(UserWarning, match=r"runs eagerly.*torch._dynamo.reset\(\)"):
+            gpu.adopt(compiled)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            gpu.adopt(compiled)  # once is enough
+    plain = torch.nn.Linear(4, 2)
+    step = oom_guard(lambda b: plain(b).sum(), model=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1))
+    with SimulatedGPU("1MiB"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(torch.ones(2, 4))  # an eager model: nothing to say
+    model.compile()  # (the other spelling) seen by the guard's first call
+    step = oom_guard(lambda b: model(b).sum(), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with SimulatedGPU("1MiB"), pytest.warns(UserWarning, match="runs eagerly"):
+        step(torch.ones(2, 4))

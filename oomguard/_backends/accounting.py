@@ -30,6 +30,7 @@ class as :class:`oomguard.testing.SimulatedGPU`; the library's own code (the pla
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from types import TracebackType
@@ -44,6 +45,7 @@ from oomguard._backends.dispatch import (
     AccountingMode,
     Paused,
     aligned,
+    compiled_model_note,
     cpu_storages,
     tensors_of,
     to_meta,
@@ -87,6 +89,7 @@ class AccountedDevice:
         self._peak = 0
         self._tracked: dict[int, int] = {}  # id(storage) -> counted bytes
         self._host: set[int] = set()  # id(storage) of host memory: never counted
+        self._compile_warned = False
         # Re-entrant: a storage's finalizer (_release) can run inside any allocation, the simulator's own
         # bookkeeping included, whenever the garbage collector frees a tensor there; on the same thread a plain
         # lock would deadlock.
@@ -235,6 +238,8 @@ class AccountedDevice:
         """
         tensors: list[torch.Tensor] = []
         for obj in objects:
+            if isinstance(obj, torch.nn.Module):
+                self.warn_if_compiled(obj)
             tensors.extend(tensors_of(obj))
         fresh: dict[int, torch.UntypedStorage] = {}
         for tensor in tensors:
@@ -244,6 +249,13 @@ class AccountedDevice:
             if id(storage) not in self._tracked:
                 fresh[id(storage)] = storage
         self._allocate(list(fresh.values()), count_faults=False)
+
+    def warn_if_compiled(self, model: torch.nn.Module) -> None:
+        """Warn, once per device, that a model compiled with ``torch.compile`` runs eagerly here."""
+        note = None if self._compile_warned else compiled_model_note(model)
+        if note is not None:
+            self._compile_warned = True
+            warnings.warn(note, UserWarning, stacklevel=3)
 
     # -- accounting internals ---------------------------------------------------------------------------
     def _oom(self, nbytes: int) -> torch.OutOfMemoryError:

@@ -127,3 +127,16 @@ class AccountingMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             increment_version(stale)
         self.after(func, args, kwargs, out)
         return out
+
+
+def compiled_model_note(model: torch.nn.Module) -> str | None:
+    """What to tell a user training a model compiled with ``torch.compile`` (or ``m.compile()``) under the
+    simulation; None for a model that is not compiled."""
+    if not any(hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):
+        return None
+    return (
+        f"{type(model).__name__} is compiled (torch.compile), but under the simulated device it runs eagerly: the "
+        f"simulation's dispatch mode makes torch.compile skip the frame, and the skip is cached, so the same model "
+        f"code stays eager later in this process until torch._dynamo.reset(). Memory figures and OOMs here are "
+        f"those of eager execution; test compiled training on a real GPU"
+    )

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+from oomguard._backends.accounting import AccountedDevice
 from oomguard._backends.memory import MemoryBackend, MemorySnapshot, current_backend, snapshot
 from oomguard._detect import is_oom, names_an_allocator
 from oomguard._distributed.agreement import Agreement, distributed_active, unwrap
@@ -328,7 +329,7 @@ class OOMGuard:
         if call.tried:
             self._recovered(call, plan)
         log_every = self.options.log_every
-        if log_every is not None and (result.step % log_every == 0 or call.tried):  # (on CUDA, reading figures costs)
+        if log_every is not None and (result.step < log_every or result.step % log_every == 0 or call.tried):
             memory = dataclasses.replace(snapshot(call.backend), peak=output.peak)
             self._emit(ProgressEvent(result.step, plan.to_dict(), memory, output.loss, choice.bucket,
                                      dict(self._tally.steps_by_rung)))  # fmt: skip
@@ -361,6 +362,8 @@ class OOMGuard:
         """First call: join the process group if there is one, open the log, load the state file, preplan."""
         if self._started:
             return
+        if isinstance(backend, AccountedDevice):  # (a simulated device: compiled code runs eagerly under it)
+            backend.warn_if_compiled(self.model)
         rank = 0
         if distributed_active():
             self._runner.agreement = Agreement(self._device, self.ladder)

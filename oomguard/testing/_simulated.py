@@ -18,6 +18,10 @@ class SimulatedGPU(AccountedDevice):
     simulated. While active, :mod:`oomguard` reads memory figures, empties the cache and makes host copies
     through it, as it does through ``torch.cuda`` on a GPU.
 
+    Limits: only CPU tensors are counted, and ``torch.compile`` does not compile under it (its dispatch mode makes
+    dynamo skip the frame, and dynamo caches the skip until ``torch._dynamo.reset()``): a compiled model runs
+    eagerly, with eager memory figures, and :meth:`adopt` (or the guard's first call) warns once.
+
     Args:
         capacity: bytes, or a string such as ``"6GiB"`` or ``"64MiB"``.
 
