@@ -20,6 +20,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
     folder = tmp_path_factory.mktemp("demo")
     log, state = folder / "demo.jsonl", folder / "plans.json"
     argv = ["demo", "--steps", "3", "--long-every", "2", "--restart-steps", "2", "--log-file", str(log)]
+    argv += ["--plot", str(folder / "demo-memory.png")]
     out, err = io.StringIO(), io.StringIO()
     assert run(_parser().parse_args([*argv, "--state-file", str(state)]), out=out, err=err) == 0
     return folder, out.getvalue(), err.getvalue()
@@ -29,14 +30,24 @@ def test_demo_recovers_and_reports_its_fallbacks(demo_run: tuple[Path, str, str]
     folder, out, err = demo_run
     assert "Fallbacks needed: micro_batch x" in out, out
     assert "every step trained on all 16 samples" in out
-    assert "256-token batches:" in out and "512-token batches:" in out, "each batch bucket has its own plan"
+    assert "64-token batches:" in out and "128-token batches:" in out, "each batch bucket has its own plan"
     assert "step    3/3" in err, "the progress bar reached the end"
     assert "[oomguard] step 0: OOM in" in err, "event lines are shown as they happen"
     events = [json.loads(line) for line in (folder / "demo.jsonl").read_text().splitlines()]
-    assert events[0]["event"] == "oom" and events[0]["memory"]["capacity"] == 64 * 2**20
+    assert events[0]["event"] == "oom" and events[0]["memory"]["capacity"] == 3 * 2**20
     assert any(e["event"] == "recovered" for e in events)
     saved = json.loads((folder / "plans.json").read_text())
     assert len(saved["plans"]) == 2, "both buckets' plans were saved"
+
+
+def test_demo_shows_rungs_beyond_micro_batches_and_ends_with_its_report(demo_run: tuple[Path, str, str]) -> None:
+    folder, out, _ = demo_run
+    fallbacks = out.split("Fallbacks needed:")[1].splitlines()[0]
+    assert "amp x" in fallbacks or "checkpointing x" in fallbacks, "the long batch needs more than micro-batches"
+    report = out.split("$ oomguard report")[1]
+    assert "5 steps logged (2 run(s))" in report and "| micro_batch |" in report
+    assert f"Memory plot written to {folder / 'demo-memory.png'}" in report and (folder / "demo-memory.png").is_file()
+    assert out.rstrip().splitlines()[-1].startswith("Demo finished in ")
 
 
 def test_the_restart_starts_from_the_state_file_without_ooms(demo_run: tuple[Path, str, str]) -> None:
