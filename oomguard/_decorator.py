@@ -95,7 +95,10 @@ def oom_guard(fn: Callable[[Any], Any] | None = None, /, **options: Any) -> Any:
             It must not be the ``log_file``.
         relax_after: after this many consecutive clean steps on a degraded plan, try the plan one rung up once;
             if it runs out of memory, go back and wait twice as long before the next try. ``None``: never.
-        predictive: size micro-batches from the measured peaks of successful steps instead of halving blindly.
+        predictive: size micro-batches from the measured peaks of successful steps instead of halving blindly;
+            and on the first OOM of a batch bucket that never fitted, run the dry-run planner on that batch and
+            jump straight to the plan it predicts fits (one ``fallback`` event naming every rung the jump
+            engaged), instead of trying the ladder rung by rung. Not under torch.distributed.
         bucket: maps a batch to its bucket (plans are kept per bucket); default: its largest tensor's element
             count rounded up to a power of two, so a rare long batch escalates only its own bucket.
         log_every: write a ``progress`` event (loss, plan, peak, steps per rung) for each of the first this

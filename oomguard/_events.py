@@ -122,9 +122,11 @@ class OOMEvent(Event):
 
 @dataclass(frozen=True)
 class FallbackEvent(Event):
-    """The guard moved one rung down: ``plan`` is the new plan, ``previous_plan`` the one that failed.
+    """The guard moved down the ladder: ``plan`` is the new plan, ``previous_plan`` the one that failed.
 
     ``memory_at_failure`` is the picture when the previous plan failed, ``memory`` the one after recovery.
+    ``rung`` is the rung engaged (the deepest one, for a jump); ``engaged`` names every rung a jump to the
+    plan the dry-run planner predicted engaged at once, and is empty for a single rung down.
     """
 
     kind: ClassVar[str] = "fallback"
@@ -132,6 +134,7 @@ class FallbackEvent(Event):
     previous_plan: dict[str, Any]
     memory_at_failure: MemorySnapshot
     description: str
+    engaged: tuple[str, ...] = ()
 
     def describe(self) -> str:
         return f"step {self.step}: falling back to {self.rung}: {self.description}"

@@ -140,7 +140,9 @@ def test_when_micro_batch_one_does_not_fit_in_fp32_the_guard_goes_deeper(tmp_pat
     assert bf16 < fp32
     model = make_llama(layers=LAYERS, hidden=HIDDEN)
     log = tmp_path / "events.jsonl"
-    step = oom_guard(lambda b: model(**b), model=model, optimizer=torch.optim.AdamW(model.parameters()), log_file=log)
+    # The walk itself, rung by rung (predictive=False: no jump to the planner's prediction, tests/test_jump.py).
+    step = oom_guard(lambda b: model(**b), model=model, optimizer=torch.optim.AdamW(model.parameters()), log_file=log,
+                     predictive=False)  # fmt: skip
     with SimulatedGPU((fp32 + bf16) // 2) as gpu:
         gpu.adopt(model)
         results = [step(batch) for _ in range(4)]

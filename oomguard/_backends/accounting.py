@@ -258,8 +258,8 @@ class AccountedDevice:
             warnings.warn(note, UserWarning, stacklevel=3)
 
     # -- accounting internals ---------------------------------------------------------------------------
-    def _oom(self, nbytes: int) -> torch.OutOfMemoryError:
-        free = self.capacity - self._allocated
+    def _oom(self, nbytes: int, pending: int = 0) -> torch.OutOfMemoryError:
+        free = self.capacity - self._allocated - pending  # (``pending``: the op's outputs before this one)
         return torch.OutOfMemoryError(
             f"CUDA out of memory. Tried to allocate {format_bytes(nbytes)}. Simulated GPU 0 has a total capacity "
             f"of {format_bytes(self.capacity)} of which {format_bytes(max(0, free))} is free. Of the allocated "
@@ -275,9 +275,9 @@ class AccountedDevice:
                 self._fail_in -= 1
                 if self._fail_in == 0:
                     self._fail_in = None
-                    raise self._oom(size)
+                    raise self._oom(size, total)
             if self._allocated + total + size > self.capacity:
-                raise self._oom(size)
+                raise self._oom(size, total)
             total += size
 
     def _allocate(self, storages: list[torch.UntypedStorage], count_faults: bool = True) -> None:

@@ -16,6 +16,10 @@ _UNITS = {"": 1, "b": 1, "bytes": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m":
           "g": 10**9, "gb": 10**9, "gib": GiB, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
 # "Tried to allocate 2.00 GiB" (CUDA's caching allocator, SimulatedGPU) and "you tried to allocate 512 bytes" (the CPU).
+_AVAILABLE = (
+    re.compile(r"of which ([0-9.]+\s*(?:bytes|B|KiB|MiB|GiB|TiB)) is free"),
+    re.compile(r"([0-9.]+\s*(?:bytes|B|KiB|MiB|GiB|TiB)) is reserved by PyTorch but unallocated"),
+)
 _REQUESTED = re.compile(r"(?:Tried to allocate|you tried to allocate)\s+([0-9.]+\s*(?:bytes|B|KiB|MiB|GiB|TiB))")
 
 
@@ -70,3 +74,15 @@ def requested_bytes(message: str) -> int | None:
     """
     match = _REQUESTED.search(message)
     return _size(match.group(1)) if match else None
+
+
+def available_bytes(message: str) -> int | None:
+    """What an out-of-memory message says was still available: free device memory plus what the allocator held
+    unallocated, where it says (None where it says neither).
+
+    >>> available_bytes("... of which 1.50 MiB is free. ... and 2.00 MiB is reserved by PyTorch but unallocated.")
+    3670016
+    """
+    sizes = [_size(match.group(1)) for pattern in _AVAILABLE for match in [pattern.search(message)] if match]
+    known = [size for size in sizes if size is not None]
+    return sum(known) if known else None

@@ -75,10 +75,15 @@ class Effects:
         return any(changed)
 
     def _hold_while_changed(self) -> None:
-        if any(effect.holds for effect in self._effects):
+        if self.holds:
             _HOLDERS[self.target.model] = weakref.ref(self)
         elif _holder(self.target.model) is self:
             del _HOLDERS[self.target.model]
+
+    @property
+    def holds(self) -> bool:
+        """Whether any effect has changed the model now (hooks, offloaded tensors, checkpointing)."""
+        return any(effect.holds for effect in self._effects)
 
     @property
     def offloaded_layers(self) -> int:

@@ -44,6 +44,7 @@ class _Bucket:
     wait: int  # clean steps to wait before the next try at a cheaper plan
     clean: int = 0  # consecutive clean steps on ``plan``
     saved: bool = False  # whether the state file has this bucket's plan
+    fitted: bool = False  # whether a call of this bucket succeeded in this run
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,11 @@ class Buckets:
         """Make ``plan`` the plan of every bucket (``guard.plan = ...``)."""
         self.default = plan
         self._buckets.clear()
+
+    def fitted(self, bucket: int) -> bool:
+        """Whether a call of ``bucket`` succeeded in this run (so its failures are measured, not unknown)."""
+        state = self._buckets.get(bucket)
+        return state is not None and state.fitted
 
     def plans(self) -> dict[int, Plan]:
         """The current plan of every bucket seen."""
@@ -210,6 +216,7 @@ class Buckets:
     def succeeded(self, choice: Choice, plan: Plan) -> bool:
         """A call finished on ``plan``; True if the bucket's plan changed (and was saved)."""
         state = self._buckets[choice.bucket]
+        state.fitted = True
         if plan == state.plan:
             if not choice.relaxing:  # a call whose try at a cheaper plan failed is not a clean step
                 state.clean += 1

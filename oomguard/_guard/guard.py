@@ -32,7 +32,6 @@ from oomguard._events import (
     OOMEvent,
     ProgressEvent,
     RecoveredEvent,
-    RelaxEvent,
     StateFileEvent,
     log_event,
     logger,
@@ -48,6 +47,7 @@ from oomguard._guard.recovery import (
     device_telemetry,
     free_failed_attempt,
     give_up_message,
+    relax_event,
     released,
 )
 from oomguard._guard.results import GuardSummary, StepResult
@@ -55,7 +55,7 @@ from oomguard._guard.tally import Tally
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._ladder.rungs import RungContext
 from oomguard._options import GuardOptions, build_runner, model_context, takes_options
-from oomguard._planner.fakes import preplan
+from oomguard._planner.fakes import memory_was_short, preplan
 from oomguard._step.batch import batch_size, items_per_sample
 from oomguard._step.runner import AttemptOutput, Reduction
 
@@ -63,7 +63,6 @@ __all__ = ["OOMGuard"]
 
 _EVENTS_KEPT = 10_000  # in memory; the log file keeps everything
 T = TypeVar("T")
-R = TypeVar("R")
 
 
 class OOMGuard:
@@ -149,7 +148,7 @@ class OOMGuard:
         to step with (through :meth:`protected_step`). ``reduction`` overrides the guard's for this batch."""
         return self._call(batch, step=False, reduction=reduction)
 
-    def protected_step(self, run: Callable[[], R], replay: Callable[[], None], *, phase: Phase = Phase.OPTIMIZER) -> R:
+    def protected_step(self, run: Callable[[], T], replay: Callable[[], None], *, phase: Phase = Phase.OPTIMIZER) -> T:
         """A part of the last call's step that someone else drives after it (the Trainer's clipping and optimizer
         step), recovered as part of that step; returns what ``run`` returns.
 
@@ -255,20 +254,39 @@ class OOMGuard:
         bound = self._bound_reached(call, attempt.agreement)
         if call.choice.relaxing and failure.plan == call.choice.plan:  # the try at a cheaper plan failed
             plan = self._buckets.relax_failed(call.choice)
-            self._emit_relax(call, "failed")
+            self._emit(relax_event(call, "failed", self._buckets.next_try_after(call.choice.bucket)))
         else:
-            chosen = self.ladder.next(failure.plan, self._escalation_context(call, failure, attempt))
-            if chosen is None:
-                self._give_up(call, "ladder", failure.error)
-            rung, plan = chosen
+            jump = None if bound else self._jump(call, failure, attempt)
+            if jump is not None:  # several rungs at once, as the dry-run planner predicted
+                engaged, plan = jump
+                rung, how = engaged[-1], " (the dry-run planner's prediction)"
+            else:
+                chosen = self.ladder.next(failure.plan, self._escalation_context(call, failure, attempt))
+                if chosen is None:
+                    self._give_up(call, "ladder", failure.error)
+                (rung, plan), engaged, how = (chosen[0].name, chosen[1]), (), ""
             if not bound:
-                self._plan_rung = rung.name
-                change = f"{failure.plan.describe(call.size)} -> {plan.describe(call.size)}"
-                self._emit(FallbackEvent(call.step, plan.to_dict(), freed, rung.name,
-                                         failure.plan.to_dict(), failure.summary.memory, change))  # fmt: skip
+                self._plan_rung = rung
+                change = f"{failure.plan.describe(call.size)} -> {plan.describe(call.size)}{how}"
+                self._emit(FallbackEvent(call.step, plan.to_dict(), freed, rung, failure.plan.to_dict(),
+                                         failure.summary.memory, change, engaged))  # fmt: skip
         if bound:
             self._give_up(call, bound, failure.error)
         return plan
+
+    def _jump(self, call: Call, failure: Failure, attempt: Attempt[Any]) -> tuple[tuple[str, ...], Plan] | None:
+        """On the first OOM of a bucket that never fitted: the plan the dry-run planner predicts fits this batch,
+        and the rungs it engages (None: walk the ladder, as after any other OOM, and where it cannot plan)."""
+        short = memory_was_short(failure.summary.message, self._device)
+        if not (short and self.options.predictive and len(call.tried) == 1 and call.batch is not None
+                and not self.effects.holds and attempt.agreement is None and not call.choice.relaxing
+                and not self._buckets.fitted(call.choice.bucket)):  # fmt: skip
+            return None
+        report = preplan(self._step_fn, call.batch, self.options, call.backend, bf16=self._context.bf16_supported,
+                         purpose="jump")  # fmt: skip
+        plan = None if report is None else report.recommended
+        engaged = () if plan is None else self.ladder.changed(failure.plan, plan, call.size)
+        return (engaged, plan) if plan is not None and engaged else None  # (none: it knows no better)
 
     def _bound_reached(self, call: Call, agreement: Agreement | None) -> GiveUp | None:
         """The bound on attempts or time this call has reached; under distributed training, one rank's reaching
@@ -319,7 +337,7 @@ class OOMGuard:
         choice = call.choice
         self._buckets.succeeded(choice, plan)
         if choice.relaxing and plan == choice.plan:
-            self._emit_relax(call, "held")
+            self._emit(relax_event(call, "held", self._buckets.next_try_after(choice.bucket)))
         replaying = self._replaying
         if replaying is not None:  # a replay of a step: counted once, by the part of the step that needed it
             replaying.tried += call.tried
@@ -339,23 +357,6 @@ class OOMGuard:
         """The step of ``call`` succeeded after its out-of-memory errors: an event says on which plan."""
         self._emit(RecoveredEvent(call.step, plan.to_dict(), snapshot(call.backend), plan.rungs(call.size),
                                   len(call.tried), call.seconds_lost, plan.describe(call.size)))  # fmt: skip
-
-    def _emit_relax(self, call: Call, outcome: str) -> None:
-        choice = call.choice
-        if choice.fallback is None or choice.given_back is None:
-            raise ValueError("a relax event needs the choice of a try at a cheaper plan")
-        self._emit(
-            RelaxEvent(
-                step=call.step,
-                plan=choice.plan.to_dict(),
-                memory=snapshot(call.backend),
-                rung=choice.given_back,
-                previous_plan=choice.fallback.to_dict(),
-                outcome=outcome,
-                next_try_after=self._buckets.next_try_after(choice.bucket),
-                description=f"{choice.fallback.describe(call.size)} -> {choice.plan.describe(call.size)}",
-            )
-        )
 
     # -- around the calls -------------------------------------------------------------------------------
     def _start(self, backend: MemoryBackend, batch: Any) -> None:

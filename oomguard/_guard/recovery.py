@@ -12,11 +12,11 @@ from typing import Any, Literal
 import tenacity
 import torch
 
-from oomguard._backends.memory import MemoryBackend, MemorySnapshot
+from oomguard._backends.memory import MemoryBackend, MemorySnapshot, snapshot
 from oomguard._backends.telemetry import apply_expandable_segments
 from oomguard._backends.units import format_bytes
 from oomguard._detect import is_oom
-from oomguard._events import FailureSummary
+from oomguard._events import FailureSummary, RelaxEvent
 from oomguard._guard.buckets import Choice
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._step.runner import StepRunner
@@ -29,6 +29,7 @@ __all__ = [
     "device_telemetry",
     "free_failed_attempt",
     "give_up_message",
+    "relax_event",
     "released",
 ]
 
@@ -210,4 +211,21 @@ def give_up_message(
         f"Memory: capacity {format_bytes(last.memory.capacity)}, in use {format_bytes(last.memory.allocated)} "
         f"at the last failure, tried to allocate {format_bytes(last.requested_bytes)}; "
         f"{format_bytes(memory.allocated)} in use after freeing.\nWhat you can do: {fix}."
+    )
+
+
+def relax_event(call: Call, outcome: str, next_try_after: int) -> RelaxEvent:
+    """The event of a try at a cheaper plan that ``outcome`` ("held" or "failed")."""
+    choice = call.choice
+    if choice.fallback is None or choice.given_back is None:
+        raise ValueError("a relax event needs the choice of a try at a cheaper plan")
+    return RelaxEvent(
+        step=call.step,
+        plan=choice.plan.to_dict(),
+        memory=snapshot(call.backend),
+        rung=choice.given_back,
+        previous_plan=choice.fallback.to_dict(),
+        outcome=outcome,
+        next_try_after=next_try_after,
+        description=f"{choice.fallback.describe(call.size)} -> {choice.plan.describe(call.size)}",
     )

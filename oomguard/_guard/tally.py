@@ -52,6 +52,9 @@ def event_problem(event: Mapping[str, Any]) -> str | None:
         return "seconds not a number"
     if kind in ("fallback", "relax") and not _name(event.get("rung")):
         return f"{kind} without a rung"
+    engaged = event.get("engaged", [])
+    if kind == "fallback" and not (isinstance(engaged, list) and all(_name(name) for name in engaged)):
+        return "engaged not a list of rung names"
     if kind == "progress":
         if not all(_count(figures.get(name)) for name in _DRAWN):
             return "progress without memory figures"
@@ -136,7 +139,8 @@ class Tally:
             self.ooms += 1
             self._pending.append(float(event.get("seconds", 0.0)))
         elif kind == "fallback":
-            self.engaged[event["rung"]] += 1
+            for name in event.get("engaged") or (event["rung"],):  # (a jump engages several rungs at once)
+                self.engaged[name] += 1
             self._lost(event["rung"])
         elif kind == "relax":
             held = event.get("outcome") == "held"

@@ -95,6 +95,13 @@ class Ladder:
         micro = -plan.effective_micro_batch_size(batch_size)
         return [micro, *(rung.level(plan, batch_size) for rung in self._deeper)]
 
+    def changed(self, before: Plan, after: Plan, batch_size: int) -> tuple[str, ...]:
+        """The rungs whose level differs between two plans, in ladder order (what a jump from one to the other
+        engaged or gave back)."""
+        names = ("micro_batch", *(rung.name for rung in self._deeper))
+        pairs = zip(self.levels(before, batch_size), self.levels(after, batch_size), strict=True)
+        return tuple(name for name, (old, new) in zip(names, pairs, strict=True) if old != new)
+
     def at_levels(self, plan: Plan, levels: Sequence[int], batch_size: int) -> Plan:
         """``plan`` as :meth:`levels` describes it (on a batch of ``batch_size``: a micro-batch at least as
         large runs the batch whole)."""

@@ -20,12 +20,12 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
 from oomguard._backends.memory import MemoryBackend
-from oomguard._backends.units import format_bytes
+from oomguard._backends.units import available_bytes, format_bytes, requested_bytes
 from oomguard._options import GuardOptions
 from oomguard._planner.engine import dry_run
 from oomguard._planner.report import CUDA_CONTEXT_BYTES, PlanReport, Target
 
-__all__ = ["preplan"]
+__all__ = ["memory_was_short", "preplan"]
 
 logger = logging.getLogger("oomguard")
 
@@ -38,16 +38,21 @@ def preplan(
     *,
     bf16: bool,
     distributed: bool = False,
+    purpose: str = "preplan",
 ) -> PlanReport | None:
-    """The planner's answer for a guard's step on this device, or None (logged) where it cannot tell."""
+    """The planner's answer for a guard's step on this device, or None (logged) where it cannot tell.
+
+    ``purpose`` names the caller in the log lines: ``"preplan"`` (before the first step) or ``"jump"`` (after the
+    first OOM of a batch bucket).
+    """
     if distributed:  # the planner's steps would not take part in the process group's agreements
-        logger.info("preplan: not supported under torch.distributed yet; starting from the plain plan")
+        logger.info("%s: not supported under torch.distributed yet", purpose)
         return None
     model, optimizer = options.model, options.optimizer
     total = backend.total_memory()
     device = next(model.parameters()).device
     if total is None or not (backend.tracks_allocations or device.type == "cuda"):
-        logger.info("preplan: no device memory to plan for (%s); starting from the plain plan", device)
+        logger.info("%s: no device memory to plan for (%s)", purpose, device)
         return None
     target: Target = "simulated" if backend.tracks_allocations else "cuda"
     resident = _resident_bytes(backend, model, optimizer)
@@ -61,22 +66,34 @@ def preplan(
             )  # fmt: skip
     except Exception as error:  # a step the planner cannot run on fake tensors (one that reads values, say)
         logger.warning(
-            "preplan: the dry run of this step failed (%s: %s); starting from the plain plan. Steps that read "
+            "%s: the dry run of this step failed (%s: %s); walking the ladder instead. Steps that read "
             "tensor values (.item(), printing) cannot be planned on fake tensors.",
+            purpose,
             type(error).__name__,
             error,
         )
         return None
     if report.recommended is None:
-        logger.warning("preplan: no plan on the ladder fits %s; starting from the plain plan", format_bytes(capacity))
+        logger.warning("%s: no plan on the ladder fits %s", purpose, format_bytes(capacity))
     else:
-        logger.info(
-            "preplan: starting on %s (predicted peak %s of %s available)",
+        logger.log(
+            logging.INFO if purpose == "preplan" else logging.DEBUG,  # (a jump's fallback event says it)
+            "%s: starting on %s (predicted peak %s of %s available)",
+            purpose,
             report.recommended.describe(report.batch_size),
             format_bytes(report.predicted_peak_bytes + report.device_overhead_bytes),
             format_bytes(capacity),
         )
     return report
+
+
+def memory_was_short(message: str, device: torch.device) -> bool:
+    """Whether an OOM asked for more than its message says was available: a shortage the planner can plan
+    around, not fragmentation or an injected fault (where the planner would only say the plan fits). True where
+    the message does not say, or a per-process cap on CUDA makes the device's free figure meaningless."""
+    requested, available = requested_bytes(message), available_bytes(message)
+    capped = device.type == "cuda" and getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device) < 1
+    return requested is None or available is None or capped or requested > available
 
 
 def _limit(total: int, device: torch.device, target: Target) -> int:
