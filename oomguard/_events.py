@@ -186,6 +186,7 @@ class ProgressEvent(Event):
     loss: float
     bucket: int
     steps_by_rung: dict[str, int]
+    transfer_bytes: int = 0  # host<->device bytes the step copied
 
     def describe(self) -> str:
         return (

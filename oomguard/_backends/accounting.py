@@ -51,7 +51,7 @@ from oomguard._backends.dispatch import (
     to_meta,
     writes_and_allocates,
 )
-from oomguard._backends.memory import MemorySnapshot, copy_into, pop_backend, push_backend, snapshot
+from oomguard._backends.memory import MemorySnapshot, copy_into, nbytes, pop_backend, push_backend, snapshot
 from oomguard._backends.units import format_bytes, parse_bytes
 
 __all__ = ["AccountedDevice"]
@@ -89,6 +89,7 @@ class AccountedDevice:
         self._peak = 0
         self._tracked: dict[int, int] = {}  # id(storage) -> counted bytes
         self._host: set[int] = set()  # id(storage) of host memory: never counted
+        self.transferred_bytes = 0  # host<->device bytes copied through to_host, to_device and upload
         self._compile_warned = False
         # Re-entrant: a storage's finalizer (_release) can run inside any allocation, the simulator's own
         # bookkeeping included, whenever the garbage collector frees a tensor there; on the same thread a plain
@@ -184,23 +185,25 @@ class AccountedDevice:
     # -- host and device copies -------------------------------------------------------------------------
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy outside the accounting: host memory."""
-        self._paused.active = True
-        try:
+        self.transferred_bytes += nbytes(tensor)
+        with self._paused:
             copy = copy_into(tensor, out)
-        finally:
-            self._paused.active = False
         self._mark_host(copy.untyped_storage())
         return copy
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy that counts as device memory (raises the simulated OOM if it does not fit)."""
-        self._paused.active = True
-        try:
+        self.transferred_bytes += nbytes(tensor)
+        with self._paused:
             copy = tensor.detach().clone()
-        finally:
-            self._paused.active = False
         self._allocate([copy.untyped_storage()])
         return copy
+
+    def upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy a host tensor into a device tensor in place (no new storage: nothing to account but the bytes)."""
+        self.transferred_bytes += nbytes(host)
+        with torch.no_grad():
+            device.copy_(host)
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         """Whether the tensor's storage is counted as device memory."""

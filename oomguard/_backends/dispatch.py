@@ -73,9 +73,16 @@ def to_meta(value: Any) -> Any:
 
 
 class Paused(threading.local):
-    """Set while the device copies outside the accounting (per thread: other threads are still accounted)."""
+    """Set while the device copies outside the accounting (per thread: other threads are still accounted);
+    ``with paused:`` sets it for the block."""
 
     active = False
+
+    def __enter__(self) -> None:
+        self.active = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.active = False
 
 
 ALIGN = 512  # CUDA's caching allocator rounds every block up to 512 bytes

@@ -64,6 +64,8 @@ class MemoryBackend(Protocol):
     tracks_allocations: bool
     #: Whether moving tensors to the host frees device memory (False on a CPU-only run: the host is the device).
     offloads: bool
+    #: Bytes copied between host and device through this backend so far (``to_host``, ``to_device``, ``upload``).
+    transferred_bytes: int
 
     def total_memory(self) -> int | None: ...
     def memory_allocated(self) -> int: ...
@@ -85,6 +87,10 @@ class MemoryBackend(Protocol):
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A device copy of a host tensor; it counts as device memory."""
+        ...
+
+    def upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy ``host`` into the device tensor ``device`` in place (ordered after the compute before it)."""
         ...
 
     def is_device(self, tensor: torch.Tensor) -> bool:
@@ -168,11 +174,21 @@ class CpuMemory:
         available = _available_host_memory()
         return available is not None and available >= nbytes
 
+    def __init__(self) -> None:
+        self.transferred_bytes = 0
+
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        self.transferred_bytes += nbytes(tensor)
         return copy_into(tensor, out)
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.transferred_bytes += nbytes(tensor)
         return tensor.detach().clone()
+
+    def upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        self.transferred_bytes += nbytes(host)
+        with torch.no_grad():
+            device.copy_(host)
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return False  # on a CPU-only run there is no device memory to free by offloading
@@ -204,6 +220,7 @@ class CudaMemory:
         self.name = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
         self._stream: torch.cuda.Stream | None = None  # host<->device copies run here, beside the compute
         self._retries_seen = 0  # the allocator's cudaMalloc retries at the last OOM
+        self.transferred_bytes = 0
 
     def _copy_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -241,6 +258,7 @@ class CudaMemory:
         # before the copy has read it.
         if out is None or not _fits(tensor, out):
             out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+        self.transferred_bytes += nbytes(tensor)
         stream = self._copy_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -249,6 +267,7 @@ class CudaMemory:
         return out
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.transferred_bytes += nbytes(tensor)
         stream, current = self._copy_stream(), torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
@@ -256,6 +275,11 @@ class CudaMemory:
         current.wait_stream(stream)  # the compute that uses the copy waits for it, not the host
         copy.record_stream(current)
         return copy
+
+    def upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        self.transferred_bytes += nbytes(host)
+        with torch.no_grad():
+            device.copy_(host, non_blocking=True)  # on the current stream: after the compute that freed ``device``
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cuda"
@@ -288,6 +312,11 @@ class CudaMemory:
 
 def _fits(tensor: torch.Tensor, out: torch.Tensor | None) -> bool:
     return out is not None and out.shape == tensor.shape and out.dtype == tensor.dtype
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    """The bytes of a tensor's elements (what copying it moves)."""
+    return tensor.numel() * tensor.element_size()
 
 
 def copy_into(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -160,7 +160,7 @@ class LayerOffloader:
         for handle in block.handles:
             handle.remove()
         for item, device_state in zip(block.params, device_states, strict=True):
-            item.device.copy_(item.host, non_blocking=True)
+            self.backend.upload(item.device, item.host)
             item.param.data = item.device
             if device_state:
                 self.optimizer.state[item.param].update(device_state)
@@ -188,7 +188,7 @@ class LayerOffloader:
         block.resident = True  # first: if an allocation below fails, reset() still releases what was grown
         for item in block.params:
             self.backend.resize_storage(item.device, item.host.numel() * item.host.element_size())
-            item.device.copy_(item.host, non_blocking=True)
+            self.backend.upload(item.device, item.host)
             item.param.data = item.device
         block.pending = sum(1 for item in block.params if item.param.requires_grad)
 

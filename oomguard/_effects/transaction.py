@@ -213,8 +213,7 @@ class OptimizerTransaction:
 
         def undo() -> None:
             for t, c in zip(tensors, copies, strict=True):
-                with torch.no_grad():
-                    t.copy_(c, non_blocking=True)
+                backend.upload(t, c)
             for p in params:
                 if p in entries:
                     optimizer.state[p] = entries[p]

@@ -154,10 +154,8 @@ class OOMGuard:
 
         ``run`` does the part (an optimizer step, with ``phase`` :attr:`Phase.OPTIMIZER`, is made undoable by the
         guard's transaction). On an OOM the guard frees what it held and moves one rung down for ``phase``;
-        ``replay`` recomputes the same batch's gradients on the new plan (through :meth:`accumulate`, which then
-        counts as a retry of the same step, not a new one), and ``run`` runs again: still exactly one step. The
-        events name the step of the last call, and a recovery counts that step as recovered.
-        """
+        ``replay`` recomputes the batch's gradients on the new plan (through :meth:`accumulate`: a retry of the same
+        step, not a new one), and ``run`` runs again: still exactly one step, counted once, recovered."""
         last, backend = self._last, current_backend(self._device)
         part = undoable(self.transaction, backend, run) if phase == Phase.OPTIMIZER else run
         with self._busy:
@@ -331,6 +329,7 @@ class OOMGuard:
             loss=output.loss, micro_batch_size=plan.effective_micro_batch_size(call.size),
             rungs=plan.rungs(call.size), ooms=len(call.tried), step=call.step, batch_size=call.size,
             micro_batches=output.micro_batches, plan=plan, grad_norm=output.grad_norm, seconds_lost=call.seconds_lost,
+            transfer_bytes=call.backend.transferred_bytes - call.transferred,
         )  # fmt: skip
         self._last_plan = plan
         self._last = dataclasses.replace(call, batch=None)  # its batch is the caller's to free
@@ -350,7 +349,7 @@ class OOMGuard:
         if log_every is not None and (result.step < log_every or result.step % log_every == 0 or call.tried):
             memory = dataclasses.replace(snapshot(call.backend), peak=output.peak)
             self._emit(ProgressEvent(result.step, plan.to_dict(), memory, output.loss, choice.bucket,
-                                     dict(self._tally.steps_by_rung)))  # fmt: skip
+                                     dict(self._tally.steps_by_rung), result.transfer_bytes))  # fmt: skip
         return result
 
     def _recovered(self, call: Call, plan: Plan) -> None:

@@ -86,6 +86,11 @@ class Call:
     seconds_lost: float = 0.0
     #: tenacity's view of the attempts so far (their number, and the time since the call began).
     attempts: tenacity.RetryCallState = field(default_factory=lambda: tenacity.RetryCallState(_RETRYING, None, (), {}))
+    #: The backend's host<->device byte count when the call began (what the call copied is the difference).
+    transferred: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.transferred = self.backend.transferred_bytes
 
 
 class Bounds:

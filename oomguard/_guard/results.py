@@ -15,7 +15,8 @@ class StepResult:
 
     ``loss`` is the whole batch's loss (weighted exactly across micro-batches); ``rungs`` names the rungs in
     effect for this step (``"micro_batch"`` only when the batch was split); ``ooms`` counts the out-of-memory
-    errors caught during this call.
+    errors caught during this call; ``transfer_bytes`` the bytes it copied between host and device, every attempt
+    included (offloaded layers and activations, the optimizer journal).
     """
 
     loss: float
@@ -28,6 +29,7 @@ class StepResult:
     plan: Plan
     grad_norm: float | None = None
     seconds_lost: float = 0.0
+    transfer_bytes: int = 0
 
 
 @dataclass(frozen=True)

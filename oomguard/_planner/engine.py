@@ -46,6 +46,7 @@ class _Probe(AccountedDevice):
     def __init__(self, budget: int, phase: Callable[[], Phase]) -> None:
         super().__init__(_UNLIMITED, name="planner", on_allocate=self._note)
         self.budget = budget
+        self.per_micro_batch = self.per_step = 0  # host<->device bytes of the step measured now
         self.crossed: Phase | None = None
         self.phase_peaks: dict[Phase, int] = {}
         self._phase_of = phase
@@ -54,7 +55,32 @@ class _Probe(AccountedDevice):
         """Measure a new step from here; returns what is resident now."""
         self.reset_peak_memory_stats()
         self.crossed, self.phase_peaks = None, {}
+        self.per_micro_batch = self.per_step = 0
         return self.memory_allocated()
+
+    def transfers(self, micro_batches_run: int, micro_batches: int) -> int:
+        """Host<->device bytes of a whole step with ``micro_batches``, from a run of ``micro_batches_run``: what
+        the forward and backward copied is per micro-batch, the rest (the optimizer's journal) per step."""
+        return self.per_micro_batch * micro_batches // micro_batches_run + self.per_step
+
+    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        self._attribute(tensor)
+        return super().to_host(tensor, out)
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._attribute(tensor)
+        return super().to_device(tensor)
+
+    def upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        self._attribute(host)
+        super().upload(device, host)
+
+    def _attribute(self, tensor: torch.Tensor) -> None:
+        moved = tensor.numel() * tensor.element_size()
+        if self._phase_of() in (Phase.FORWARD, Phase.BACKWARD):
+            self.per_micro_batch += moved
+        else:
+            self.per_step += moved
 
     def failing_phase(self, base: int) -> Phase:
         """The phase a plan that does not fit fails in, as far as the rungs are concerned.
@@ -146,11 +172,14 @@ class _Bench:
         probe = self.probe
         self.runner.effects.apply(plan, probe)  # as in any step but the plan's first: offloaded state moved
         base = probe.start()
-        self.run(_two_micro_batches(self.batch, plan, self.size), plan)
+        batch = _two_micro_batches(self.batch, plan, self.size)
+        self.run(batch, plan)
         peak = probe.max_memory_allocated()
         overhead = device_overhead(peak, self.target)
         fits = peak + overhead <= self.capacity
-        self.candidates.append(Candidate(plan, peak, overhead, fits, None if fits else probe.failing_phase(base)))
+        transfers = probe.transfers(plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size))
+        phase = None if fits else probe.failing_phase(base)
+        self.candidates.append(Candidate(plan, peak, overhead, fits, phase, transfers))
         return self.candidates[-1], base
 
 

@@ -63,6 +63,8 @@ class Candidate:
     fits: bool
     #: Where the step first ran past the budget (forward, backward, optimizer...); None if it fits.
     phase: Phase | None
+    #: Host<->device bytes one optimizer step copies on this plan (offloaded layers and activations, the journal).
+    transfer_bytes: int = 0
 
     def to_dict(self, size: int) -> dict[str, Any]:
         return {
@@ -71,6 +73,7 @@ class Candidate:
             "device_overhead_bytes": self.device_overhead_bytes,
             "fits": self.fits,
             "phase": None if self.phase is None else self.phase.value,
+            "transfer_bytes": self.transfer_bytes,
         }
 
 
@@ -129,6 +132,7 @@ class PlanReport:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "device_overhead_bytes": self.device_overhead_bytes,
             "fits": self.fits,
+            "transfer_bytes_per_step": self.chosen.transfer_bytes,
             "candidates": [c.to_dict(self.batch_size) for c in self.candidates],
             "seconds": round(self.seconds, 2),
         }
@@ -140,14 +144,15 @@ class PlanReport:
         lines = [
             f"{self.model}: batch of {shape}, {self.optimizer}, on a {format_bytes(self.capacity_bytes)} {device}",
             "",
-            "| plan | tensor peak | with device overhead | fits |",
-            "|---|---|---|---|",
+            "| plan | tensor peak | with device overhead | host<->device per step | fits |",
+            "|---|---|---|---|---|",
         ]
         for index, c in enumerate(self.candidates):
             name = c.plan.describe(self.batch_size) + (" (baseline)" if index == 0 else "")
             verdict = "yes" if c.fits else f"no (runs out in {c.phase})"
             total = format_bytes(c.peak_bytes + c.device_overhead_bytes)
-            lines.append(f"| {name} | {format_bytes(c.peak_bytes)} | {total} | {verdict} |")
+            moved = format_bytes(c.transfer_bytes)
+            lines.append(f"| {name} | {format_bytes(c.peak_bytes)} | {total} | {moved} | {verdict} |")
         lines.append("")
         chosen = self.chosen
         if self.recommended is None:
