@@ -76,7 +76,7 @@ def oom_guard(fn: Callable[[Any], Any] | None = None, /, **options: Any) -> Any:
         log_file: append every event (oom, fallback, recovered, relax, exhausted, progress) to this file as
             JSON lines.
         ladder: rung names or rung objects (see :class:`Rung`), in order; default: every built-in rung,
-            ``["micro_batch", "amp", "checkpointing", "activation_offload", "layer_offload"]``.
+            ``["micro_batch", "amp", "checkpointing", "activation_offload", "optimizer_offload", "layer_offload"]``.
         max_grad_norm: clip the gradient norm of the whole batch to this before stepping.
         count_items: how many items a batch's mean loss averages over, e.g. ``lambda b: b["mask"].sum()``.
             Micro-batch losses are weighted by their share of items. By default: counted ``labels`` tokens for

@@ -24,6 +24,7 @@ from oomguard._effects.base import EffectTarget
 from oomguard._effects.blocks import find_blocks
 from oomguard._effects.checkpointing import user_checkpointing
 from oomguard._effects.effects import Effects
+from oomguard._effects.optimizer import can_step_on_host
 from oomguard._effects.transaction import JournalMode, OptimizerTransaction, Scheduler
 from oomguard._errors import GuardConfigError
 from oomguard._events import EventSink
@@ -204,4 +205,5 @@ def model_context(runner: StepRunner) -> RungContext:
         bf16_supported=bf16_supported(next(target.model.parameters()).device),
         checkpointed=user_checkpointing(target.model),
         amp_available=accelerator is None or getattr(accelerator, "mixed_precision", "no") == "no",
+        optimizer_offloadable=can_step_on_host(target.optimizer),
     )

@@ -11,6 +11,9 @@ import torch
 from oomguard.testing import SimulatedGPU
 
 VOCAB = 64
+# The default ladder before optimizer_offload joined it: for tests of what other rungs, the journal or the
+# agreement do after an optimizer-phase OOM (optimizer_offload would answer it first, and step on the host).
+LADDER_WITHOUT_OPTIMIZER_OFFLOAD = ["micro_batch", "amp", "checkpointing", "activation_offload", "layer_offload"]
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one intra-op thread per test worker: no oversubscribed cores
     torch.set_num_threads(1)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import make_mlp, tuple_batch
+from conftest import LADDER_WITHOUT_OPTIMIZER_OFFLOAD, make_mlp, tuple_batch
 
 from oomguard import OOMGuard
 from oomguard.testing import SimulatedGPU
@@ -78,7 +78,14 @@ def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
     # journal the step. "run" journals every step, so it is undone on every rank; "fast" lets steady-state
     # steps skip the journal, and then every rank must stop with the same StepRollbackError, none hanging.
     journal = "always" if mode == "run" else "auto"
-    guard = OOMGuard(train_step, model=ddp, optimizer=optimizer, log_file=out / "events.jsonl", step_journal=journal)
+    guard = OOMGuard(
+        train_step,
+        model=ddp,
+        optimizer=optimizer,
+        log_file=out / "events.jsonl",
+        step_journal=journal,
+        ladder=LADDER_WITHOUT_OPTIMIZER_OFFLOAD,
+    )  # (the faults are armed in the device step)
     report: dict[str, Any] = {"steps": []}
     with gpu:
         gpu.adopt(model)

@@ -11,7 +11,16 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import RecordingSGD, clone_model, first_event, make_mlp, mse_step, same_weights, tuple_batch
+from conftest import (
+    LADDER_WITHOUT_OPTIMIZER_OFFLOAD,
+    RecordingSGD,
+    clone_model,
+    first_event,
+    make_mlp,
+    mse_step,
+    same_weights,
+    tuple_batch,
+)
 
 from oomguard import (
     GuardConfigError,
@@ -184,7 +193,7 @@ def test_oom_in_a_later_adam_step_is_undone_before_the_retry() -> None:
     model, reference = make_mlp(), make_mlp()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
     ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2, foreach=True)
-    step = oom_guard(mse_step(model), model=model, optimizer=optimizer)
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=LADDER_WITHOUT_OPTIMIZER_OFFLOAD)
     entry: list[int] = []
     optimizer.register_step_pre_hook(lambda *_: entry.append(gpu.allocations))
     batches = [tuple_batch(seed=s) for s in range(4)]

@@ -8,7 +8,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import RecordingSGD, first_event, make_llama, make_mlp, mse_step, tuple_batch
+from conftest import (
+    LADDER_WITHOUT_OPTIMIZER_OFFLOAD,
+    RecordingSGD,
+    first_event,
+    make_llama,
+    make_mlp,
+    mse_step,
+    tuple_batch,
+)
 
 from oomguard import LadderExhausted, OOMGuard, Plan, oom_guard
 from oomguard._ladder.rungs import Amp
@@ -163,7 +171,12 @@ def test_state_larger_than_the_device_trains_only_through_layer_offload() -> Non
     model = make_llama(layers=8, hidden=64)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     budget = int(2.5 * params)  # weights + gradients + two Adam moments = 4x the weights: cannot fit
-    step = oom_guard(lambda b: model(**b), model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    step = oom_guard(
+        lambda b: model(**b),
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters()),
+        ladder=LADDER_WITHOUT_OPTIMIZER_OFFLOAD,
+    )  # (optimizer_offload would answer first: its own test)
     batch = lm_batch(n=2, length=16)
     with SimulatedGPU(budget) as gpu:
         gpu.adopt(model)

@@ -184,8 +184,8 @@ class AccountedDevice:
 
     # -- host and device copies -------------------------------------------------------------------------
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A copy outside the accounting: host memory."""
-        self.transferred_bytes += nbytes(tensor)
+        """A copy outside the accounting: host memory (traffic when ``tensor`` is device memory)."""
+        self.transferred_bytes += nbytes(tensor) if self.is_device(tensor) else 0
         with self._paused:
             copy = copy_into(tensor, out)
         self._mark_host(copy.untyped_storage())

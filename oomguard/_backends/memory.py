@@ -175,18 +175,15 @@ class CpuMemory:
         return available is not None and available >= nbytes
 
     def __init__(self) -> None:
-        self.transferred_bytes = 0
+        self.transferred_bytes = 0  # (stays 0: the host is the device, a copy crosses no link)
 
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        self.transferred_bytes += nbytes(tensor)
         return copy_into(tensor, out)
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.transferred_bytes += nbytes(tensor)
         return tensor.detach().clone()
 
     def upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
-        self.transferred_bytes += nbytes(host)
         with torch.no_grad():
             device.copy_(host)
 
@@ -258,7 +255,7 @@ class CudaMemory:
         # before the copy has read it.
         if out is None or not _fits(tensor, out):
             out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-        self.transferred_bytes += nbytes(tensor)
+        self.transferred_bytes += nbytes(tensor) if tensor.is_cuda else 0
         stream = self._copy_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -77,6 +77,10 @@ class Effect:
         """This effect's saved-tensor hooks for one forward, if ``plan`` needs them."""
         return None
 
+    def optimizer_step(self, plan: Plan, backend: MemoryBackend) -> contextlib.AbstractContextManager[None] | None:
+        """A context around the optimizer step (inside its transaction), if ``plan`` needs one from this effect."""
+        return None
+
     @property
     def holds(self) -> bool:
         """Whether the model is changed by this effect now (then no other guard may take the model)."""

@@ -22,6 +22,7 @@ from oomguard._effects.activations import ActivationOffloadEffect
 from oomguard._effects.base import Effect, EffectTarget, Packer
 from oomguard._effects.checkpointing import CheckpointingEffect
 from oomguard._effects.layers import LayerOffloadEffect
+from oomguard._effects.optimizer import OptimizerOffloadEffect
 from oomguard._effects.precision import AutocastEffect
 from oomguard._errors import GuardConfigError
 from oomguard._events import logger
@@ -51,6 +52,7 @@ class Effects:
             CheckpointingEffect(target),
             self._layers,
             ActivationOffloadEffect(target),
+            OptimizerOffloadEffect(target),  # after layer offload: it moves back the state of restored layers
         ]
         for rung in rungs:
             make = rung.effect()
@@ -102,6 +104,16 @@ class Effects:
             packers = [packer for effect in self._effects if (packer := effect.packer(plan, backend)) is not None]
             if packers:
                 stack.enter_context(_saved_tensor_hooks(packers))
+            yield
+
+    @contextlib.contextmanager
+    def optimizer_step(self, plan: Plan, backend: MemoryBackend) -> Iterator[None]:
+        """Every effect's context around the optimizer step of ``plan``."""
+        with contextlib.ExitStack() as stack:
+            for effect in self._effects:
+                context = effect.optimizer_step(plan, backend)
+                if context is not None:
+                    stack.enter_context(context)
             yield
 
     def scaler(self, plan: Plan) -> torch.amp.GradScaler | None:

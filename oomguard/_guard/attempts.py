@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._distributed.agreement import Agreement
+from oomguard._effects.effects import Effects
 from oomguard._effects.transaction import OptimizerTransaction
 from oomguard._errors import GuardConfigError
 from oomguard._guard.recovery import Call
@@ -123,12 +124,21 @@ class Tail(Attempt[T]):
         return self._phase
 
 
-def undoable(transaction: OptimizerTransaction, backend: MemoryBackend, run: Callable[[], T]) -> Callable[[], T]:
-    """``run`` (an optimizer step) through the transaction: undone if it raises."""
+def undoable(
+    transaction: OptimizerTransaction, backend: MemoryBackend, run: Callable[[], T], effects: Effects, on: HasPlan
+) -> Callable[[], T]:
+    """``run`` (an optimizer step) through the transaction, undone if it raises, with the effects of the plan
+    ``on.plan`` has when it runs (optimizer offload steps on the host)."""
 
     def step() -> T:
         result: list[T] = []
-        transaction.step(backend, run=lambda: result.append(run()))
+        with effects.optimizer_step(on.plan, backend):
+            transaction.step(backend, run=lambda: result.append(run()))
         return result[0]
 
     return step
+
+
+class HasPlan(Protocol):
+    @property
+    def plan(self) -> Plan: ...

@@ -157,7 +157,7 @@ class OOMGuard:
         ``replay`` recomputes the batch's gradients on the new plan (through :meth:`accumulate`: a retry of the same
         step, not a new one), and ``run`` runs again: still exactly one step, counted once, recovered."""
         last, backend = self._last, current_backend(self._device)
-        part = undoable(self.transaction, backend, run) if phase == Phase.OPTIMIZER else run
+        part = undoable(self.transaction, backend, run, self.effects, self) if phase == Phase.OPTIMIZER else run
         with self._busy:
             try:
                 if last is None:  # no guarded call yet: no batch to replay on a cheaper plan

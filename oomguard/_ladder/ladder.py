@@ -17,12 +17,22 @@ from collections.abc import Iterable, Sequence
 
 from oomguard._errors import GuardConfigError
 from oomguard._ladder.plan import BUILTIN_RUNGS, Plan
-from oomguard._ladder.rungs import ActivationOffload, Amp, Checkpointing, LayerOffload, MicroBatch, Rung, RungContext
+from oomguard._ladder.rungs import (
+    ActivationOffload,
+    Amp,
+    Checkpointing,
+    LayerOffload,
+    MicroBatch,
+    OptimizerOffload,
+    Rung,
+    RungContext,
+)
 
 __all__ = ["DEFAULT_LADDER", "Ladder", "resolve_ladder"]
 
 _BUILTIN: dict[str, type[Rung]] = {
-    rung.name: type(rung) for rung in (MicroBatch(), Amp(), Checkpointing(), ActivationOffload(), LayerOffload())
+    rung.name: type(rung)
+    for rung in (MicroBatch(), Amp(), Checkpointing(), ActivationOffload(), OptimizerOffload(), LayerOffload())
 }
 #: Every built-in rung, cheapest effect on the training maths first.
 DEFAULT_LADDER: tuple[str, ...] = BUILTIN_RUNGS
@@ -129,7 +139,7 @@ def resolve_ladder(spec: Iterable[str | Rung] | None) -> Ladder:
     """Build a ladder from rung names and rung objects; ``None`` gives the default order.
 
     >>> resolve_ladder(None).names
-    ('micro_batch', 'amp', 'checkpointing', 'activation_offload', 'layer_offload')
+    ('micro_batch', 'amp', 'checkpointing', 'activation_offload', 'optimizer_offload', 'layer_offload')
     """
     if spec is None:
         spec = DEFAULT_LADDER

@@ -68,6 +68,8 @@ class Plan:
             scaler); ``None`` for full precision.
         checkpointing: ``"partial"`` checkpoints every other repeated block, ``"full"`` every block.
         activation_offload: keep tensors saved for backward in host memory.
+        optimizer_offload: keep the optimizer's state in host memory and run its step there; the parameters
+            stay on the device.
         offload_layers: how many repeated blocks keep their parameters, gradients and optimizer state in host
             memory, streamed to the device only while in use.
         extras: the levels of rungs that are not built in, by rung name (see :class:`oomguard.Rung`); empty
@@ -85,6 +87,7 @@ class Plan:
         default=None, metadata=_owned_by("checkpointing", "{} checkpointing")
     )
     activation_offload: bool = field(default=False, metadata=_owned_by("activation_offload", "activations offloaded"))
+    optimizer_offload: bool = field(default=False, metadata=_owned_by("optimizer_offload", "optimizer state offloaded"))
     offload_layers: int = field(default=0, metadata=_owned_by("layer_offload", "{} layer(s) offloaded"))
     extras: tuple[tuple[str, int], ...] = ()
 
@@ -96,8 +99,9 @@ class Plan:
             raise ValueError(f"Plan.precision must be None, 'bf16' or 'fp16', got {self.precision!r}")
         if self.checkpointing not in (None, "partial", "full"):
             raise ValueError(f"Plan.checkpointing must be None, 'partial' or 'full', got {self.checkpointing!r}")
-        if not isinstance(self.activation_offload, bool):
-            raise ValueError(f"Plan.activation_offload must be True or False, got {self.activation_offload!r}")
+        for name in ("activation_offload", "optimizer_offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Plan.{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.offload_layers, bool) or not isinstance(self.offload_layers, int) or self.offload_layers < 0:
             raise ValueError(f"Plan.offload_layers must be an int >= 0, got {self.offload_layers!r}")
         for name, level in self.extras:

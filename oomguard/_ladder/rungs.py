@@ -14,7 +14,16 @@ from typing import Any, ClassVar
 
 from oomguard._ladder.plan import ACTIVATION_PHASES, EVERY_PHASE, Phase, Plan, Precision
 
-__all__ = ["ActivationOffload", "Amp", "Checkpointing", "LayerOffload", "MicroBatch", "Rung", "RungContext"]
+__all__ = [
+    "ActivationOffload",
+    "Amp",
+    "Checkpointing",
+    "LayerOffload",
+    "MicroBatch",
+    "OptimizerOffload",
+    "Rung",
+    "RungContext",
+]
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,8 @@ class RungContext:
     max_micro_batch: int | None = None
     #: False when mixed precision is someone else's (Accelerate's): the amp rung then has nothing to give.
     amp_available: bool = True
+    #: False when the optimizer cannot step on the host (its state must stay on the device: capturable Adam).
+    optimizer_offloadable: bool = True
 
 
 class Rung:
@@ -197,6 +208,24 @@ class ActivationOffload(_OneField):
         if plan.activation_offload or not context.can_offload:
             return None
         return plan.replace(activation_offload=True)
+
+
+@dataclass(frozen=True)
+class OptimizerOffload(_OneField):
+    """Keep the optimizer's state (Adam's moments) in host memory and run the optimizer step there: the device
+    keeps the parameters and gradients only. Each step copies the gradients and parameters to the host and the
+    updated parameters back; the maths is the optimizer's own, on the host."""
+
+    name: str = "optimizer_offload"
+    relieves: frozenset[Phase] = frozenset({Phase.CLIP, Phase.OPTIMIZER, Phase.APPLY})
+
+    _FIELD = "optimizer_offload"
+    _LEVELS = (False, True)
+
+    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
+        if plan.optimizer_offload or not context.can_offload or not context.optimizer_offloadable:
+            return None
+        return plan.replace(optimizer_offload=True)
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,7 @@ class StepRunner:
             micro_batches, total = self._accumulate(
                 _Job(batch, size, plan, backend, scaler, reduction or self.reduction)
             )
-            grad_norm = self._clip_and_step(backend, scaler) if step else None
+            grad_norm = self._clip_and_step(plan, backend, scaler) if step else None
             done = True
             micro = plan.effective_micro_batch_size(size)
             return AttemptOutput(
@@ -192,7 +192,7 @@ class StepRunner:
                 OutsideLeaves.put_back(self._outside_grads)
             self._outside_grads = []  # (what they held is the attempt's: not kept past it)
 
-    def _clip_and_step(self, backend: MemoryBackend, scaler: torch.amp.GradScaler | None) -> float | None:
+    def _clip_and_step(self, plan: Plan, backend: MemoryBackend, scaler: torch.amp.GradScaler | None) -> float | None:
         """Clip, then the optimizer and scheduler steps as one transaction; the gradients are dropped after."""
         grad_norm = self._clip(scaler)
         self.phase = Phase.OPTIMIZER
@@ -200,7 +200,7 @@ class StepRunner:
         allow_fast = self.verdict is None or not self.verdict.journal
         # Shutdown signals are held until the step, its loss scale and the buffers are all committed (the guard
         # holds them on while it counts the step): an interrupt never lands between the step and its bookkeeping.
-        with self.transaction.interrupts.held():
+        with self.transaction.interrupts.held(), self.effects.optimizer_step(plan, backend):
             self.transaction.step(backend, self.scheduler, scaler, agree=agree, allow_fast=allow_fast)
             self.effects.commit_scaler(scaler)
             if self.agreement is not None and self.ddp is not None:

@@ -1,0 +1,94 @@
+"""The optimizer_offload rung: Adam's state in host memory and its step run there, the parameters on the device.
+Exact in fp32, undone bit for bit, and the planner knows what it saves and moves."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_llama
+from test_planner import lm_batch, model_step
+
+from oomguard import GuardConfigError, OOMGuard, Plan, oom_guard
+from oomguard.testing import SimulatedGPU
+
+BATCHES = [lm_batch(2, 16) for _ in range(3)]
+
+
+def peak_of(plan: Plan) -> int:
+    """SimulatedGPU's peak of a second AdamW step on ``plan`` (Adam's state exists)."""
+    model = make_llama(layers=2, hidden=64)
+    guard = OOMGuard(model_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters()), ladder=[])
+    guard.plan = plan
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard(BATCHES[0])
+        gpu.reset_peak_memory_stats()
+        guard(BATCHES[1])
+        peak = gpu.max_memory_allocated()
+    guard.close()
+    return peak
+
+
+def reference() -> torch.nn.Module:
+    model = make_llama(layers=2, hidden=64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for batch in BATCHES:
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def test_state_that_does_not_fit_trains_with_the_optimizer_on_the_host_after_one_oom() -> None:
+    plain, offloaded = peak_of(Plan()), peak_of(Plan(optimizer_offload=True))
+    weights = sum(p.numel() * 4 for p in make_llama(layers=2, hidden=64).parameters())
+    assert plain - offloaded >= 2 * weights, "Adam's two moments leave the device"
+    model = make_llama(layers=2, hidden=64)
+    step = oom_guard(model_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                     ladder=["optimizer_offload"])  # fmt: skip
+    with SimulatedGPU((plain + offloaded) // 2) as gpu:  # weights, gradients and activations fit; Adam's state not
+        gpu.adopt(model)
+        results = [step(batch) for batch in BATCHES]
+        assert [r.ooms for r in results] == [1, 0, 0]
+        assert results[0].rungs == ("optimizer_offload",)
+        assert results[2].transfer_bytes == 3 * weights, "parameters and gradients down, parameters up"
+        state = step.guard.optimizer.state
+        assert all(not gpu.is_device(v) for s in state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    for p, q in zip(model.parameters(), reference().parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def test_undo_brings_the_state_back_to_the_device_bit_for_bit() -> None:
+    model = make_llama(layers=2, hidden=64)
+    twin = copy.deepcopy(model)
+    guard = OOMGuard(model_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters()), ladder=[])
+    plain = OOMGuard(model_step(twin), model=twin, optimizer=torch.optim.AdamW(twin.parameters()), ladder=[])
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model, twin)
+        guard(BATCHES[0])
+        plain(BATCHES[0])
+        before = copy.deepcopy(guard.optimizer.state_dict())
+        guard.plan = Plan(optimizer_offload=True)
+        guard(BATCHES[1])
+        plain(BATCHES[1])
+        guard.close()
+        state = guard.optimizer.state
+        assert all(gpu.is_device(s[k]) for s in state.values() for k in ("exp_avg", "exp_avg_sq"))
+        assert guard.optimizer.state_dict()["state"][0]["step"] == before["state"][0]["step"] + 1
+    for ours, theirs in zip(guard.optimizer.state.values(), plain.optimizer.state.values(), strict=True):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours[key], theirs[key]), "the host step is the device step's maths, bit for bit"
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_capturable_optimizer_is_not_offloaded() -> None:
+    model = make_llama(layers=2, hidden=64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.param_groups[0]["capturable"] = True
+    guard = OOMGuard(model_step(model), model=model, optimizer=optimizer, ladder=["optimizer_offload"])
+    guard.plan = Plan(optimizer_offload=True)
+    with pytest.raises(GuardConfigError, match="capturable=False"):
+        guard(BATCHES[0])
