@@ -51,23 +51,25 @@ def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2, eps=EPS)
     gpu = SimulatedGPU("4MiB" if rank == 0 else "400KiB")
     step_index = [0]
+    # "offload": one fault, in rank 1's first optimizer step, answered by optimizer_offload on every rank.
+    faults = {0: "optimizer"} if mode == "offload" else FAULTS
 
     def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         out = ddp(x).squeeze(-1)
         loss = torch.nn.functional.mse_loss(out, y)
-        if rank == 1 and FAULTS.get(step_index[0]) == "backward" and not armed["backward"]:
+        if rank == 1 and faults.get(step_index[0]) == "backward" and not armed["backward"]:
             armed["backward"] = True
             loss.register_hook(lambda grad: gpu.fail_allocation(2))  # inside this rank's backward
         return loss
 
     def forward_fault(module: torch.nn.Module, args: Any) -> None:
-        if rank == 1 and FAULTS.get(step_index[0]) == "forward" and not armed["forward"]:
+        if rank == 1 and faults.get(step_index[0]) == "forward" and not armed["forward"]:
             armed["forward"] = True
             gpu.fail_allocation(1)
 
     def optimizer_fault(*_: Any) -> None:
-        if rank == 1 and FAULTS.get(step_index[0]) == "optimizer" and not armed[f"optimizer{step_index[0]}"]:
+        if rank == 1 and faults.get(step_index[0]) == "optimizer" and not armed[f"optimizer{step_index[0]}"]:
             armed[f"optimizer{step_index[0]}"] = True
             gpu.fail_allocation(1)
 
@@ -77,15 +79,13 @@ def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
     # A fault armed inside the optimizer step is one nobody could foresee when the ranks agreed whether to
     # journal the step. "run" journals every step, so it is undone on every rank; "fast" lets steady-state
     # steps skip the journal, and then every rank must stop with the same StepRollbackError, none hanging.
-    journal = "always" if mode == "run" else "auto"
+    # "offload" journals every step too, and answers its one fault with optimizer_offload alone; the others name
+    # the ladder without it (their faults are armed in the device step, which optimizer offload takes away).
+    journal = "auto" if mode == "fast" else "always"
+    ladder = ["optimizer_offload"] if mode == "offload" else LADDER_WITHOUT_OPTIMIZER_OFFLOAD
     guard = OOMGuard(
-        train_step,
-        model=ddp,
-        optimizer=optimizer,
-        log_file=out / "events.jsonl",
-        step_journal=journal,
-        ladder=LADDER_WITHOUT_OPTIMIZER_OFFLOAD,
-    )  # (the faults are armed in the device step)
+        train_step, model=ddp, optimizer=optimizer, log_file=out / "events.jsonl", step_journal=journal, ladder=ladder
+    )
     report: dict[str, Any] = {"steps": []}
     with gpu:
         gpu.adopt(model)

@@ -85,7 +85,23 @@ def test_every_rank_recovers_and_both_report_the_same_plans(agreed_run: Path) ->
 
 
 def test_replicas_are_identical_and_equal_a_single_process_run(agreed_run: Path) -> None:
-    weights = [torch.load(agreed_run / f"weights{rank}.pt") for rank in range(WORLD)]
+    assert_replicas_equal_a_single_process_run(agreed_run)
+
+
+def test_every_rank_offloads_the_optimizer_when_one_rank_runs_out_in_its_step(tmp_path: Path) -> None:
+    codes, hung = launch(tmp_path, "offload", timeout=180)
+    assert not hung and codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+    rank0, rank1 = reports(tmp_path)
+    assert rank1["faults_fired"]["optimizer0"] and not any(rank0["faults_fired"].values())
+    plans = [[s["plan"] for s in report["steps"]] for report in (rank0, rank1)]
+    assert plans[0] == plans[1] and all(plan["optimizer_offload"] for plan in plans[0]), "the ranks agreed"
+    assert [s["ooms"] for s in rank0["steps"]] == [s["ooms"] for s in rank1["steps"]] == [1, 0, 0, 0, 0]
+    assert rank0["adam_steps"] == rank1["adam_steps"] == [5, 5, 5, 5], "one optimizer step per call, no more"
+    assert_replicas_equal_a_single_process_run(tmp_path)
+
+
+def assert_replicas_equal_a_single_process_run(out: Path) -> None:
+    weights = [torch.load(out / f"weights{rank}.pt") for rank in range(WORLD)]
     for name in weights[0]:
         assert torch.equal(weights[0][name], weights[1][name]), f"{name} differs between the ranks"
     reference = make_mlp(width=512)
