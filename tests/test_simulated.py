@@ -610,8 +610,9 @@ def test_a_compiled_model_is_said_to_run_eagerly_under_the_simulation_once() -> 
     model = torch.nn.Linear(4, 2)
     compiled = torch.compile(model)
     with SimulatedGPU("1MiB") as gpu:
-        with pytest.warns(UserWarning, match=r"runs eagerly.*torch._dynamo.reset\(\)"):
+        with pytest.warns(UserWarning, match=r"runs eagerly.*torch._dynamo.reset\(\)") as said:
             gpu.adopt(compiled)
+        assert len(said) == 1
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             gpu.adopt(compiled)  # once is enough
@@ -622,5 +623,6 @@ def test_a_compiled_model_is_said_to_run_eagerly_under_the_simulation_once() -> 
         step(torch.ones(2, 4))  # an eager model: nothing to say
     model.compile()  # (the other spelling) seen by the guard's first call
     step = oom_guard(lambda b: model(b).sum(), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    with SimulatedGPU("1MiB"), pytest.warns(UserWarning, match="runs eagerly"):
+    with SimulatedGPU("1MiB"), pytest.warns(UserWarning, match="runs eagerly") as said:
         step(torch.ones(2, 4))
+    assert "Linear" in str(said[0].message), "the warning names the model"
