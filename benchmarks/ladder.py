@@ -36,6 +36,7 @@ PLANS: list[tuple[str, Plan]] = [
     ("checkpointing (partial)", Plan(checkpointing="partial")),
     ("checkpointing (full)", Plan(checkpointing="full")),
     ("activation_offload", Plan(activation_offload=True)),
+    ("optimizer_offload", Plan(optimizer_offload=True)),
     ("layer_offload (all 4 layers)", Plan(offload_layers=4)),
 ]
 
@@ -53,6 +54,7 @@ class _Run:
     guard: OOMGuard
     times: list[float] = field(default_factory=list)
     peak: int = 0
+    transfer_bytes: int = 0  # host<->device bytes of a steady step
 
     def resident(self, gpu: SimulatedGPU) -> int:
         """Device bytes this run's weights and optimizer state hold between steps."""
@@ -81,13 +83,20 @@ def measure_plans(rounds: int) -> list[dict[str, Any]]:
                 others = gpu.memory_allocated() - run.resident(gpu)  # what the other runs hold
                 gpu.reset_peak_memory_stats()
                 started = time.perf_counter()
-                run.guard(batch)
+                result = run.guard(batch)
                 elapsed = time.perf_counter() - started
                 if round_index:
                     run.times.append(elapsed)
+                    run.transfer_bytes = result.transfer_bytes
                     run.peak = max(run.peak, gpu.max_memory_allocated() - others)
     return [
-        {"name": run.name, "plan": run.plan.to_dict(), "peak_bytes": run.peak, "step_s": statistics.median(run.times)}
+        {
+            "name": run.name,
+            "plan": run.plan.to_dict(),
+            "peak_bytes": run.peak,
+            "step_s": statistics.median(run.times),
+            "transfer_bytes": run.transfer_bytes,
+        }
         for run in runs
     ]
 
@@ -107,7 +116,7 @@ def settle(budget: int, steps: int) -> dict[str, Any]:
             ooms += result.ooms
         gpu.reset_peak_memory_stats()
         started = time.perf_counter()
-        guard(next(batches))
+        last = guard(next(batches))
         settled_time = time.perf_counter() - started
         peak = gpu.max_memory_allocated()
     return {
@@ -118,20 +127,22 @@ def settle(budget: int, steps: int) -> dict[str, Any]:
         "step_s": min(settled_time, statistics.median(times[-3:])),
         "ooms": ooms,
         "budget_bytes": budget,
+        "transfer_bytes": last.transfer_bytes,
     }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     plain = rows[0]
     lines = [
-        "| plan | peak device memory | vs plain | step time | vs plain |",
-        "|---|---|---|---|---|",
+        "| plan | peak device memory | vs plain | step time | vs plain | host<->device per step |",
+        "|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['name']}{' — ' + row['description'] if 'description' in row else ''} | "
             f"{format_bytes(row['peak_bytes'])} | {row['peak_bytes'] / plain['peak_bytes']:.2f}x | "
-            f"{row['step_s'] * 1e3:.0f} ms | {row['step_s'] / plain['step_s']:.2f}x |"
+            f"{row['step_s'] * 1e3:.0f} ms | {row['step_s'] / plain['step_s']:.2f}x | "
+            f"{format_bytes(row.get('transfer_bytes', 0))} |"
         )
     return "\n".join(lines)
 

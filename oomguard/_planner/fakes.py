@@ -121,7 +121,8 @@ def _faked(
 
     The simulator's accounting (if any) must not see the fakes: every dispatch mode is left while planning.
     """
-    with _disable_current_modes(), FakeTensorMode():
+    # (allow_non_fake_inputs: a real tensor the step closes over, the Trainer's item count say, is a constant)
+    with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=True):
         fakes: dict[int, torch.Tensor] = {}
 
         def fake(tensor: torch.Tensor) -> torch.Tensor:

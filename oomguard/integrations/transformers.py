@@ -233,6 +233,7 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
             before.restore()
 
     def _take_back(self, event: Event) -> None:
-        """An event sink: an OOM puts the trainer's records back as they were before the failed attempt."""
-        if event.kind == "oom" and self._oomguard_step.rollback is not None:
+        """An event sink: an OOM puts the trainer's records back as they were before the failed attempt, and so
+        does the fallback after it (the dry-run planner may have run compute_loss on fake tensors in between)."""
+        if event.kind in ("oom", "fallback") and self._oomguard_step.rollback is not None:
             self._oomguard_step.rollback.restore()
