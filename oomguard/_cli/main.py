@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
         "oomguard.testing.SimulatedGPU (default: cuda)",
     )
     plan.add_argument("--no-bf16", dest="bf16", action="store_false", help="the GPU has no bf16 (before Ampere)")
+    plan.add_argument("--gpu-tflops", type=float, default=None, help="half-precision TFLOP/s (default 13)")
+    plan.add_argument("--link-gbps", type=float, default=None, help="host<->device GB/s (default 12)")
     plan.add_argument("--json", action="store_true", help="print the answer as JSON")
     plan.set_defaults(run=_run_plan)
     return parser
@@ -69,11 +71,15 @@ def _run_plan(args: argparse.Namespace) -> int:
     import json
 
     from oomguard._planner.api import plan
+    from oomguard._planner.speed import DeviceSpeed
 
+    given = {"gpu_tflops": args.gpu_tflops, "link_gbps": args.link_gbps}
     try:
+        speed = DeviceSpeed(**{name: value for name, value in given.items() if value is not None})
         report = plan(
             args.model, gpu_memory=args.gpu_memory, batch_size=args.batch_size, seq_len=args.seq_len,
             optimizer=args.optimizer, target=args.target, bf16=args.bf16, max_grad_norm=args.max_grad_norm,
+            speed=speed,
         )  # fmt: skip
     except ValueError as error:  # bad input: a model, a config.json or an argument the planner cannot use
         _bad_input("plan", error)

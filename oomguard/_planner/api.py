@@ -15,6 +15,7 @@ from oomguard._ladder.rungs import Rung
 from oomguard._planner.engine import dry_run
 from oomguard._planner.presets import config_source, load_config, transformers_error
 from oomguard._planner.report import PlanReport, Target
+from oomguard._planner.speed import DeviceSpeed
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -38,6 +39,7 @@ def plan(
     target: Target = "cuda",
     bf16: bool = True,
     max_grad_norm: float | None = None,
+    speed: DeviceSpeed | None = None,
 ) -> PlanReport:
     """Plan a causal LM's training step on a device of ``gpu_memory`` bytes, without a GPU and without weights.
 
@@ -55,6 +57,8 @@ def plan(
             for a :class:`~oomguard.testing.SimulatedGPU` of that capacity (no overhead).
         bf16: whether the device runs bf16 (Ampere and newer); else mixed precision is fp16.
         max_grad_norm: plan with gradient clipping, as the guard's option of that name.
+        speed: the device model that predicts each plan's step time (the recommendation is the fastest fitting
+            plan by it); default: a 6 GB consumer GPU (see :class:`oomguard._planner.speed.DeviceSpeed`).
 
     Raises ``ValueError`` for bad input: an argument out of range, or a config (file) transformers cannot build a
     causal LM from; the message names the file and the fix.
@@ -96,7 +100,7 @@ def plan(
         return dry_run(
             lambda b: net(**b), batch, model=net, optimizer=opt, capacity=capacity, target=target,
             label=str(label), ladder=ladder, max_grad_norm=max_grad_norm, bf16=bf16, seq_len=seq_len,
-            optimizer_name="AdamW" if optimizer == "adamw" else "SGD (momentum 0.9)",
+            optimizer_name="AdamW" if optimizer == "adamw" else "SGD (momentum 0.9)", speed=speed,
         )  # fmt: skip
 
 

@@ -31,6 +31,7 @@ from oomguard._ladder.rungs import Rung, RungContext
 from oomguard._options import GuardOptions, build_runner, model_context
 from oomguard._planner.masks import unpadded_masks
 from oomguard._planner.report import Candidate, PlanReport, Target, device_overhead, tensor_budget
+from oomguard._planner.speed import DeviceSpeed, FlopCount
 from oomguard._step.batch import batch_size, items_per_sample, split_batch
 from oomguard._step.runner import StepRunner
 
@@ -117,6 +118,7 @@ def dry_run(
     seq_len: int | None = None,
     optimizer_name: str | None = None,
     plans: Sequence[Plan] | None = None,
+    speed: DeviceSpeed | None = None,
 ) -> PlanReport:
     """Walk the ladder for ``batch`` on fake tensors (or measure just ``plans``, in order, if given).
 
@@ -127,7 +129,7 @@ def dry_run(
     size = batch_size(batch)
     options = GuardOptions(model=model, optimizer=optimizer, ladder=ladder, max_grad_norm=max_grad_norm)
     runner = build_runner(step_fn, options, item_counter=batch_size)  # fake tensors hold no labels to count
-    bench = _Bench(runner, batch, size, capacity, target)
+    bench = _Bench(runner, batch, size, capacity, target, speed or DeviceSpeed())
     try:
         with bench.probe, unpadded_masks():
             bench.probe.adopt(model, _tensors(batch))
@@ -141,9 +143,8 @@ def dry_run(
     candidates = bench.candidates
     if not bf16:  # measured in bf16 (fp16's GradScaler reads values fake tensors do not have); fp16 autocast
         candidates = [dataclasses.replace(c, plan=_fp16(c.plan)) for c in candidates]  # keeps the same sizes
-    fitting = [c.plan for c in candidates if c.fits]
-    if not plans:  # the walk's fits share one configuration: the largest micro-batch is the cheapest
-        fitting.sort(key=lambda p: -p.effective_micro_batch_size(size))
+    # The fastest fitting plan by the time model (ties: the first measured, the one the ladder reached first).
+    fitting = [c.plan for c in sorted((c for c in candidates if c.fits), key=lambda c: c.predicted_seconds)]
     return PlanReport(
         model=label, capacity_bytes=capacity, target=target, batch_size=size, seq_len=seq_len,
         optimizer=optimizer_name or type(optimizer).__name__, candidates=tuple(candidates),
@@ -154,8 +155,11 @@ def dry_run(
 class _Bench:
     """Measures plans: each one's peak, on two micro-batches after the plan's effects are applied."""
 
-    def __init__(self, runner: StepRunner, batch: Any, size: int, capacity: int, target: Target) -> None:
+    def __init__(
+        self, runner: StepRunner, batch: Any, size: int, capacity: int, target: Target, speed: DeviceSpeed
+    ) -> None:
         self.runner, self.batch, self.size, self.capacity, self.target = runner, batch, size, capacity, target
+        self.speed = speed
         self.budget = tensor_budget(capacity, target)
         self.probe = _Probe(self.budget, lambda: runner.phase)
         self.candidates: list[Candidate] = []
@@ -173,14 +177,29 @@ class _Bench:
         self.runner.effects.apply(plan, probe)  # as in any step but the plan's first: offloaded state moved
         base = probe.start()
         batch = _two_micro_batches(self.batch, plan, self.size)
-        self.run(batch, plan)
+        with FlopCount() as flops:
+            self.run(batch, plan)
         peak = probe.max_memory_allocated()
         overhead = device_overhead(peak, self.target)
         fits = peak + overhead <= self.capacity
-        transfers = probe.transfers(plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size))
+        run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
+        transfers = probe.transfers(run, parts)
+        seconds = self.speed.seconds(
+            flops=flops.total * parts / run, precision=plan.precision, transfer_bytes=transfers,
+            host_params=self._host_params(plan), micro_batches=parts,
+        )  # fmt: skip
         phase = None if fits else probe.failing_phase(base)
-        self.candidates.append(Candidate(plan, peak, overhead, fits, phase, transfers))
+        self.candidates.append(Candidate(plan, peak, overhead, fits, phase, transfers, seconds))
         return self.candidates[-1], base
+
+    def _host_params(self, plan: Plan) -> int:
+        """Parameters the optimizer steps on the host on ``plan``: all of them with optimizer offload, else those of
+        the offloaded blocks (the first ones)."""
+        target = self.runner.effects.target
+        if plan.optimizer_offload:
+            return sum(p.numel() for g in target.optimizer.param_groups for p in g["params"] if p.requires_grad)
+        blocks = target.blocks[: plan.offload_layers]
+        return sum(p.numel() for block in blocks for p in block.parameters() if p.requires_grad)
 
 
 def _walk(bench: _Bench, ladder: Ladder, context: RungContext) -> None:

@@ -65,6 +65,8 @@ class Candidate:
     phase: Phase | None
     #: Host<->device bytes one optimizer step copies on this plan (offloaded layers and activations, the journal).
     transfer_bytes: int = 0
+    #: One optimizer step's time by the planner's device model (:class:`~oomguard._planner.speed.DeviceSpeed`).
+    predicted_seconds: float = 0.0
 
     def to_dict(self, size: int) -> dict[str, Any]:
         return {
@@ -74,6 +76,7 @@ class Candidate:
             "fits": self.fits,
             "phase": None if self.phase is None else self.phase.value,
             "transfer_bytes": self.transfer_bytes,
+            "predicted_seconds": round(self.predicted_seconds, 4),
         }
 
 
@@ -133,6 +136,7 @@ class PlanReport:
             "device_overhead_bytes": self.device_overhead_bytes,
             "fits": self.fits,
             "transfer_bytes_per_step": self.chosen.transfer_bytes,
+            "predicted_seconds": round(self.chosen.predicted_seconds, 4),
             "candidates": [c.to_dict(self.batch_size) for c in self.candidates],
             "seconds": round(self.seconds, 2),
         }
@@ -144,15 +148,15 @@ class PlanReport:
         lines = [
             f"{self.model}: batch of {shape}, {self.optimizer}, on a {format_bytes(self.capacity_bytes)} {device}",
             "",
-            "| plan | tensor peak | with device overhead | host<->device per step | fits |",
-            "|---|---|---|---|---|",
+            "| plan | tensor peak | with device overhead | host<->device per step | predicted step | fits |",
+            "|---|---|---|---|---|---|",
         ]
         for index, c in enumerate(self.candidates):
             name = c.plan.describe(self.batch_size) + (" (baseline)" if index == 0 else "")
             verdict = "yes" if c.fits else f"no (runs out in {c.phase})"
             total = format_bytes(c.peak_bytes + c.device_overhead_bytes)
-            moved = format_bytes(c.transfer_bytes)
-            lines.append(f"| {name} | {format_bytes(c.peak_bytes)} | {total} | {moved} | {verdict} |")
+            moved, seconds = format_bytes(c.transfer_bytes), f"{c.predicted_seconds:.2f} s"
+            lines.append(f"| {name} | {format_bytes(c.peak_bytes)} | {total} | {moved} | {seconds} | {verdict} |")
         lines.append("")
         chosen = self.chosen
         if self.recommended is None:
@@ -165,7 +169,8 @@ class PlanReport:
             lines.append(
                 f"Recommended: {self.recommended.describe(self.batch_size)} (rungs: {rungs}); predicted peak "
                 f"{format_bytes(chosen.peak_bytes)} + {format_bytes(chosen.device_overhead_bytes)} device overhead "
-                f"of {format_bytes(self.capacity_bytes)}."
+                f"of {format_bytes(self.capacity_bytes)}; the fastest fitting plan by the device model "
+                f"({chosen.predicted_seconds:.2f} s a step)."
             )
         lines.append(f"(planned in {self.seconds:.1f} s on fake tensors)")
         return "\n".join(lines)

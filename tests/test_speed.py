@@ -1,0 +1,67 @@
+"""The planner predicts each plan's step time from what its fake run counts, and recommends the fastest fitting
+plan by that model."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_llama
+from test_planner import lm_batch, model_step
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from oomguard import Plan
+from oomguard._cli.main import main
+from oomguard._planner.engine import dry_run
+from oomguard._planner.speed import DeviceSpeed
+
+PLANS = [
+    Plan(),
+    Plan(checkpointing="full"),
+    Plan(precision="bf16"),
+    Plan(micro_batch_size=1),
+    Plan(offload_layers=2),
+    Plan(optimizer_offload=True),
+]
+
+
+def candidates(speed: DeviceSpeed | None = None, capacity: int = 2**40) -> Any:
+    with FakeTensorMode():
+        model = make_llama(layers=2, hidden=64)
+        return dry_run(
+            model_step(model), lm_batch(8, 64), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+            capacity=capacity, target="simulated", label="llama", plans=PLANS, speed=speed,
+        )  # fmt: skip
+
+
+def test_each_term_of_the_model_moves_the_prediction_the_right_way() -> None:
+    plain, full, bf16, split, layers, optimizer = (c.predicted_seconds for c in candidates().candidates)
+    assert full > plain, "checkpointing's recompute is counted"
+    assert bf16 < plain, "half precision runs at twice fp32's throughput"
+    assert split > plain, "eight micro-batches cost eight fixed costs, the same FLOPs"
+    assert layers > plain and optimizer > plain, "copies and the host optimizer take time"
+    slow_link = candidates(DeviceSpeed(link_gbps=1.0)).candidates
+    assert slow_link[4].predicted_seconds > layers and slow_link[0].predicted_seconds == pytest.approx(plain)
+
+
+def test_the_recommendation_is_the_fastest_fitting_plan() -> None:
+    report = candidates()
+    fitting = [c for c in report.candidates if c.fits]
+    assert len(fitting) == len(PLANS)
+    assert report.recommended == min(fitting, key=lambda c: c.predicted_seconds).plan == Plan(precision="bf16")
+    data = report.to_dict()
+    assert data["predicted_seconds"] == min(c["predicted_seconds"] for c in data["candidates"])
+
+
+def test_the_cli_takes_the_device_model(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", "gpt2", "--gpu-memory", "6GiB", "--batch-size", "2", "--seq-len", "64", "--json"]
+    main(args)
+    default = json.loads(capsys.readouterr().out)["predicted_seconds"]
+    main([*args, "--gpu-tflops", "1"])
+    slower = json.loads(capsys.readouterr().out)["predicted_seconds"]
+    assert slower > default > 0
+    with pytest.raises(SystemExit) as bad:
+        main([*args, "--link-gbps", "0"])
+    assert bad.value.code == 2 and "positive" in capsys.readouterr().err
