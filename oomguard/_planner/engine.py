@@ -9,8 +9,10 @@ memory.
 
 It walks the guard's ladder from the plain step: a plan that does not fit is followed by the plan the guard
 would try next after an OOM in the same phase, with micro-batch sizes predicted from the peaks measured so
-far, until one fits; that one, the first fitting plan in the ladder's order, is the recommendation. Each
-measured step runs after a warm-up step, so the optimizer state is resident as in any step but the first.
+far, until one fits, then looks for the largest micro-batch that still fits in that configuration. Of the
+fitting plans measured, the one the device model (:mod:`oomguard._planner.speed`) predicts fastest is the
+recommendation. Each measured step runs after a warm-up step, so the optimizer state is resident as in any step
+but the first.
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ def dry_run(
     plans: Sequence[Plan] | None = None,
     speed: DeviceSpeed | None = None,
 ) -> PlanReport:
-    """Walk the ladder for ``batch`` on fake tensors (or measure just ``plans``, in order, if given).
+    """Walk the ladder for ``batch`` on fake tensors (or measure just ``plans``, in order, if given); recommend
+    the fitting plan predicted fastest by ``speed`` (a 6 GB consumer GPU by default).
 
     Everything passed in must already be fake: call it inside the ``FakeTensorMode`` that made the model, the
     optimizer and the batch. The model's effects are undone before it returns.
