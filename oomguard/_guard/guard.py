@@ -275,10 +275,10 @@ class OOMGuard:
     def _jump(self, call: Call, failure: Failure, attempt: Attempt[Any]) -> tuple[tuple[str, ...], Plan] | None:
         """On the first OOM of a bucket that never fitted: the plan the dry-run planner predicts fits this batch,
         and the rungs it engages (None: walk the ladder, as after any other OOM, and where it cannot plan)."""
-        short = memory_was_short(failure.summary.message, self._device)
-        if not (short and self.options.predictive and len(call.tried) == 1 and call.batch is not None
+        if not (self.options.predictive and len(call.tried) == 1 and call.batch is not None
                 and not self.effects.holds and attempt.agreement is None and not call.choice.relaxing
-                and not self._buckets.fitted(call.choice.bucket)):  # fmt: skip
+                and not self._buckets.fitted(call.choice.bucket)
+                and memory_was_short(failure.summary.message, self._device)):  # fmt: skip
             return None
         report = preplan(self._step_fn, call.batch, self.options, call.backend, bf16=self._context.bf16_supported,
                          purpose="jump")  # fmt: skip

@@ -26,6 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from oomguard._backends.accounting import AccountedDevice
+from oomguard._backends.memory import nbytes
 from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._ladder.predict import PeakModel
@@ -79,7 +80,7 @@ class _Probe(AccountedDevice):
         super().upload(device, host)
 
     def _attribute(self, tensor: torch.Tensor) -> None:
-        moved = tensor.numel() * tensor.element_size()
+        moved = nbytes(tensor)
         if self._phase_of() in (Phase.FORWARD, Phase.BACKWARD):
             self.per_micro_batch += moved
         else:
