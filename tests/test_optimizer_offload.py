@@ -92,3 +92,35 @@ def test_a_capturable_optimizer_is_not_offloaded() -> None:
     guard.plan = Plan(optimizer_offload=True)
     with pytest.raises(GuardConfigError, match="capturable=False"):
         guard(BATCHES[0])
+
+
+def test_an_interrupt_while_the_stepped_parameters_go_back_waits_until_all_are_back() -> None:
+    """Driven from outside (the Trainer's optimizer step): SIGINT lands as the first updated parameter is copied
+    back to the device; it surfaces only once every parameter is back, never on a half-copied step."""
+    import os
+    import signal
+
+    model = make_llama(layers=2, hidden=64)
+    twin = copy.deepcopy(model)
+    optimizer, reference = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(twin.parameters())
+    guard = OOMGuard(model_step(model), model=model, optimizer=optimizer, ladder=[])
+    guard.plan = Plan(optimizer_offload=True)
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model, twin)
+        guard.accumulate(BATCHES[0])
+        model_step(twin)(BATCHES[0]).loss.backward()
+        reference.step()
+        upload, calls = gpu.upload, []
+
+        def interrupted(device: torch.Tensor, host: torch.Tensor) -> None:
+            if not calls:
+                os.kill(os.getpid(), signal.SIGINT)
+            calls.append(1)
+            upload(device, host)
+
+        gpu.upload = interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            guard.protected_step(optimizer.step, lambda: None)
+    assert len(calls) == len(list(model.parameters())), "every parameter went back before the interrupt"
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -132,7 +132,9 @@ def undoable(
 
     def step() -> T:
         result: list[T] = []
-        with effects.optimizer_step(on.plan, backend):
+        # Signals held until the effects are done too (optimizer offload copies the stepped parameters back after
+        # the transaction commits): the caller delivers them once the step is whole.
+        with transaction.interrupts.held(), effects.optimizer_step(on.plan, backend):
             transaction.step(backend, run=lambda: result.append(run()))
         return result[0]
 
