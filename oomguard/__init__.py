@@ -36,11 +36,21 @@ from oomguard._events import (
     RecoveredEvent,
     RelaxEvent,
     StateFileEvent,
+    TunedEvent,
 )
 from oomguard._guard.guard import OOMGuard
 from oomguard._guard.results import GuardSummary, StepResult
 from oomguard._ladder.plan import Plan
-from oomguard._ladder.rungs import ActivationOffload, Amp, Checkpointing, LayerOffload, MicroBatch, Rung, RungContext
+from oomguard._ladder.rungs import (
+    ActivationOffload,
+    Amp,
+    Checkpointing,
+    LayerOffload,
+    MicroBatch,
+    OptimizerOffload,
+    Rung,
+    RungContext,
+)
 from oomguard._planner.api import plan
 from oomguard._planner.report import Candidate, PlanReport
 from oomguard._step.batch import batch_size, split_batch
@@ -69,6 +79,7 @@ __all__ = [
     "OOMEvent",
     "OOMGuard",
     "OOMGuardError",
+    "OptimizerOffload",
     "Plan",
     "PlanReport",
     "ProgressEvent",
@@ -80,6 +91,7 @@ __all__ = [
     "StateFileEvent",
     "StepResult",
     "StepRollbackError",
+    "TunedEvent",
     "batch_size",
     "is_fatal_device_error",
     "is_oom",

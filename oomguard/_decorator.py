@@ -95,6 +95,12 @@ def oom_guard(fn: Callable[[Any], Any] | None = None, /, **options: Any) -> Any:
             It must not be the ``log_file``.
         relax_after: after this many consecutive clean steps on a degraded plan, try the plan one rung up once;
             if it runs out of memory, go back and wait twice as long before the next try. ``None``: never.
+        tune_after: once a batch bucket has run this many clean steps on the plan it fell back to after an OOM,
+            search every fitting combination of the rungs on fake tensors, time the few the device model (measured
+            on this device) ranks fastest on the next real steps (each a whole training step; a few warm one up
+            first), and keep the fastest measured (a ``tuned`` event lists the timings; an alternative that runs
+            out of memory is dropped and its step retried on the settled plan). Once per fallback, not under
+            ``torch.distributed`` nor for :meth:`OOMGuard.accumulate`. ``None``: never.
         predictive: size micro-batches from the measured peaks of successful steps instead of halving blindly;
             and on the first OOM of a batch bucket that never fitted, run the dry-run planner on that batch and
             jump straight to the plan it predicts fits (one ``fallback`` event naming every rung the jump

@@ -36,6 +36,7 @@ __all__ = [
     "RecoveredEvent",
     "RelaxEvent",
     "StateFileEvent",
+    "TunedEvent",
 ]
 
 logger = logging.getLogger("oomguard")
@@ -176,6 +177,21 @@ class RelaxEvent(Event):
             "it fits" if self.outcome == "held" else f"out of memory, back; next try in {self.next_try_after} steps"
         )
         return f"step {self.step}: stepping back up ({self.rung}): {self.description}: {verdict}"
+
+
+@dataclass(frozen=True)
+class TunedEvent(Event):
+    """Once a bucket settled after an OOM, the guard timed the fitting plans the planner ranked fastest on real
+    steps and keeps ``plan``, the fastest it measured. ``timings`` has each plan tried and its median step time
+    in seconds (None: it ran out of memory, the step went back to ``previous_plan``)."""
+
+    kind: ClassVar[str] = "tuned"
+    previous_plan: dict[str, Any]
+    timings: tuple[tuple[dict[str, Any], float | None], ...]
+    description: str
+
+    def describe(self) -> str:
+        return f"step {self.step}: timed {len(self.timings)} plans that fit: {self.description}"
 
 
 @dataclass(frozen=True)

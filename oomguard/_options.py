@@ -61,6 +61,7 @@ class GuardOptions:
     step_journal: JournalMode = "auto"
     state_file: str | Path | None = None
     relax_after: int | None = 200
+    tune_after: int | None = 4
     predictive: bool = True
     bucket: Callable[[Any], int] = batch_bucket
     log_every: int | None = 10
@@ -92,6 +93,7 @@ class GuardOptions:
         if self.max_recovery_seconds is not None and not self.max_recovery_seconds > 0:
             raise GuardConfigError(f"max_recovery_seconds must be positive or None, got {self.max_recovery_seconds!r}")
         _check_optional_positive_int("relax_after", self.relax_after)
+        _check_optional_positive_int("tune_after", self.tune_after)
         _check_optional_positive_int("log_every", self.log_every)
         _check_distinct_files(self.log_file, self.state_file)
         object.__setattr__(self, "rungs", resolve_ladder(self.ladder))

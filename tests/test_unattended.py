@@ -156,8 +156,9 @@ RELAX_AFTER = 3
 
 
 def hog_guard(gpu: SimulatedGPU) -> OOMGuard:
-    # Halving, so the degraded plan is one rung down and one relaxation is exactly the whole batch.
-    guard = mlp_guard(relax_after=RELAX_AFTER, predictive=False)
+    # Halving, so the degraded plan is one rung down and one relaxation is exactly the whole batch; no tuning,
+    # so the degraded plan stays what it is until a relaxation.
+    guard = mlp_guard(relax_after=RELAX_AFTER, predictive=False, tune_after=None)
     gpu.adopt(guard.model)
     return guard
 

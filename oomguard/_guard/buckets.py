@@ -53,12 +53,13 @@ class Choice:
 
     bucket: int
     plan: Plan
-    fallback: Plan | None = None  # the bucket's plan, to return to if the try at a cheaper ``plan`` fails
+    fallback: Plan | None = None  # the bucket's plan, to return to if the try at ``plan`` fails
     given_back: str | None = None  # the rung that try gives back
+    trial: bool = False  # ``plan`` is timed against the bucket's (tuning), not a cheaper plan tried
 
     @property
     def relaxing(self) -> bool:
-        return self.fallback is not None
+        return self.fallback is not None and not self.trial
 
 
 class Buckets:
@@ -217,6 +218,8 @@ class Buckets:
         """A call finished on ``plan``; True if the bucket's plan changed (and was saved)."""
         state = self._buckets[choice.bucket]
         state.fitted = True
+        if choice.trial:  # a step timed on another plan: the bucket's stays until tuning chooses
+            return False
         if plan == state.plan:
             if not choice.relaxing:  # a call whose try at a cheaper plan failed is not a clean step
                 state.clean += 1
@@ -235,6 +238,13 @@ class Buckets:
         state = self._buckets[bucket]
         state.plan, state.clean, state.wait = plan, 0, self._initial_wait()
         self._save()
+
+    def tuned(self, bucket: int, plan: Plan) -> None:
+        """Tuning found ``plan`` the fastest that fits: the bucket's plan from now on."""
+        state = self._buckets[bucket]
+        if plan != state.plan:
+            state.plan, state.clean = plan, 0
+            self._save()
 
     def relax_failed(self, choice: Choice) -> Plan:
         """A try at a cheaper plan ran out of memory: back to the bucket's plan, and wait twice as long."""

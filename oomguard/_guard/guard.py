@@ -38,6 +38,7 @@ from oomguard._events import (
 )
 from oomguard._guard.attempts import Attempt, OneCallAtATime, Run, Tail, undoable
 from oomguard._guard.buckets import Buckets, Choice, weakly
+from oomguard._guard.foresight import Foresight
 from oomguard._guard.persist import UNSAVED_ADVICE, PlanStore, model_fingerprint
 from oomguard._guard.recovery import (
     Bounds,
@@ -55,7 +56,7 @@ from oomguard._guard.tally import Tally
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._ladder.rungs import RungContext
 from oomguard._options import GuardOptions, build_runner, model_context, takes_options
-from oomguard._planner.fakes import memory_was_short, preplan
+from oomguard._planner.fakes import preplan
 from oomguard._step.batch import batch_size, items_per_sample
 from oomguard._step.runner import AttemptOutput, Reduction
 
@@ -86,6 +87,8 @@ class OOMGuard:
             self.ladder, self.options.relax_after, self.options.predictive, self._runner.grad_bytes,
             on_save=weakly(self._state_file_saved),  # weakly: the guard must die (and undo its effects) when dropped
         )  # fmt: skip
+        self._foresight = Foresight(step_fn, self.options, self._buckets, self.effects,
+                                    self._context.bf16_supported, self._device)  # fmt: skip
         self._bounds = Bounds(self.options.max_attempts, self.options.max_recovery_seconds)
         self._tally = Tally()
         self._events: collections.deque[Event] = collections.deque(maxlen=_EVENTS_KEPT)
@@ -110,6 +113,7 @@ class OOMGuard:
         if not isinstance(plan, Plan):
             raise GuardConfigError(f"guard.plan takes an oomguard.Plan, got {type(plan).__name__}")
         self._buckets.reset(plan)
+        self._foresight.reset()
         self._last_plan, self._plan_rung = plan, None
 
     @property
@@ -128,10 +132,8 @@ class OOMGuard:
         return list(self._events)
 
     def close(self) -> None:
-        """Undo every effect of the current plan (checkpointing off, offloaded tensors back on the device).
-
-        The guard stays usable: the next call re-applies its plan.
-        """
+        """Undo every effect of the current plan (checkpointing off, offloaded tensors back on the device); the
+        guard stays usable: the next call re-applies its plan."""
         self.effects.close()
 
     def summary(self) -> GuardSummary:
@@ -199,11 +201,15 @@ class OOMGuard:
             agreed = agreement.plan(choice.plan, size, self.ladder)
             if agreed != choice.plan:
                 choice = Choice(choice.bucket, agreed)
+        elif step and self._replaying is None:  # a full step may be a trial of another plan (tuning)
+            choice = self._foresight.choose(choice, batch, size, backend)
         step_number = self.steps if self._replaying is None else self._replaying.step
         call = Call(batch, size, backend, choice, choice.plan, per_sample, step_number)
+        started = time.perf_counter()
         output = self._recover(call, Run(self._runner, call, step=step, reduction=reduction))
+        timed = step and agreement is None  # (what tuning compares: whole steps, the same on every rank)
         with self.transaction.interrupts.held():  # (delivered by _call once the step is counted)
-            return self._succeed(call, output)
+            return self._succeed(call, output, time.perf_counter() - started if timed else None)
 
     # -- the recovery loop ------------------------------------------------------------------------------
     def _recover(self, call: Call, attempt: Attempt[T]) -> T:
@@ -250,11 +256,13 @@ class OOMGuard:
         Gives up (raises) when the ladder has nothing left or a bound on attempts or time is reached.
         """
         bound = self._bound_reached(call, attempt.agreement)
-        if call.choice.relaxing and failure.plan == call.choice.plan:  # the try at a cheaper plan failed
+        if call.choice.trial and failure.plan == call.choice.plan:  # a plan timed while tuning does not fit
+            plan = self._foresight.trial_failed(call.choice)
+        elif call.choice.relaxing and failure.plan == call.choice.plan:  # the try at a cheaper plan failed
             plan = self._buckets.relax_failed(call.choice)
             self._emit(relax_event(call, "failed", self._buckets.next_try_after(call.choice.bucket)))
         else:
-            jump = None if bound else self._jump(call, failure, attempt)
+            jump = None if bound else self._foresight.jump(call, failure, attempt.agreement is not None)
             if jump is not None:  # several rungs at once, as the dry-run planner predicted
                 engaged, plan = jump
                 rung, how = engaged[-1], " (the dry-run planner's prediction)"
@@ -271,20 +279,6 @@ class OOMGuard:
         if bound:
             self._give_up(call, bound, failure.error)
         return plan
-
-    def _jump(self, call: Call, failure: Failure, attempt: Attempt[Any]) -> tuple[tuple[str, ...], Plan] | None:
-        """On the first OOM of a bucket that never fitted: the plan the dry-run planner predicts fits this batch,
-        and the rungs it engages (None: walk the ladder, as after any other OOM, and where it cannot plan)."""
-        if not (self.options.predictive and len(call.tried) == 1 and call.batch is not None
-                and not self.effects.holds and attempt.agreement is None and not call.choice.relaxing
-                and not self._buckets.fitted(call.choice.bucket)
-                and memory_was_short(failure.summary.message, self._device)):  # fmt: skip
-            return None
-        report = preplan(self._step_fn, call.batch, self.options, call.backend, bf16=self._context.bf16_supported,
-                         purpose="jump")  # fmt: skip
-        plan = None if report is None else report.recommended
-        engaged = () if plan is None else self.ladder.changed(failure.plan, plan, call.size)
-        return (engaged, plan) if plan is not None and engaged else None  # (none: it knows no better)
 
     def _bound_reached(self, call: Call, agreement: Agreement | None) -> GiveUp | None:
         """The bound on attempts or time this call has reached; under distributed training, one rank's reaching
@@ -321,7 +315,7 @@ class OOMGuard:
         raise error(message, step=call.step, tried=tuple(call.tried), memory=memory) from cause
 
     # -- success ----------------------------------------------------------------------------------------
-    def _succeed(self, call: Call, output: AttemptOutput) -> StepResult:
+    def _succeed(self, call: Call, output: AttemptOutput, seconds: float | None) -> StepResult:
         plan = call.plan
         items = round(output.micro_batch_size * call.items_per_sample)
         self._buckets.learn_success(plan, items, output.peak - output.base, call.backend)
@@ -345,6 +339,12 @@ class OOMGuard:
         self._tally.count_step(result.rungs)
         if call.tried:
             self._recovered(call, plan)
+            if not choice.trial and plan != choice.plan:
+                self._foresight.settled(choice.bucket)
+        tuned = None if seconds is None else self._foresight.timed(choice, plan, not call.tried, seconds)
+        if tuned is not None:  # the bucket's tuning is complete: keep the fastest plan measured
+            self._buckets.tuned(tuned.bucket, tuned.plan)
+            self._emit(tuned.event(call.step, call.size, snapshot(call.backend)))
         log_every = self.options.log_every
         if log_every is not None and (result.step < log_every or result.step % log_every == 0 or call.tried):
             memory = dataclasses.replace(snapshot(call.backend), peak=output.peak)

@@ -34,6 +34,7 @@ from oomguard._ladder.rungs import Rung, RungContext
 from oomguard._options import GuardOptions, build_runner, model_context
 from oomguard._planner.masks import unpadded_masks
 from oomguard._planner.report import Candidate, PlanReport, Target, device_overhead, tensor_budget
+from oomguard._planner.search import configurations, search
 from oomguard._planner.speed import DeviceSpeed, FlopCount
 from oomguard._step.batch import batch_size, items_per_sample, split_batch
 from oomguard._step.runner import StepRunner
@@ -122,9 +123,11 @@ def dry_run(
     optimizer_name: str | None = None,
     plans: Sequence[Plan] | None = None,
     speed: DeviceSpeed | None = None,
+    search_around: Plan | None = None,
 ) -> PlanReport:
-    """Walk the ladder for ``batch`` on fake tensors (or measure just ``plans``, in order, if given); recommend
-    the fitting plan predicted fastest by ``speed`` (a 6 GB consumer GPU by default).
+    """Walk the ladder for ``batch`` on fake tensors (or measure just ``plans``, in order, if given; or search
+    every configuration around the plan ``search_around``, :mod:`oomguard._planner.search`); recommend the
+    fitting plan predicted fastest by ``speed`` (a 6 GB consumer GPU by default).
 
     Everything passed in must already be fake: call it inside the ``FakeTensorMode`` that made the model, the
     optimizer and the batch. The model's effects are undone before it returns.
@@ -138,10 +141,14 @@ def dry_run(
         with bench.probe, unpadded_masks():
             bench.probe.adopt(model, _tensors(batch))
             bench.run(split_batch(batch, 1)[0], Plan())  # a one-sample warm-up creates the optimizer state
+            context = dataclasses.replace(model_context(runner), batch_size=size)
             for given in plans or ():
                 bench.measure(given)
-            if not plans:
-                _walk(bench, options.rungs, dataclasses.replace(model_context(runner), batch_size=size))
+            if search_around is not None:
+                configs = configurations(search_around, options.rungs, context)
+                search(configs, size, options.rungs.min_micro_batch(size), lambda plan: bench.measure(plan)[0].fits)
+            elif not plans:
+                _walk(bench, options.rungs, context)
     finally:
         runner.effects.close()
     candidates = bench.candidates
@@ -181,7 +188,7 @@ class _Bench:
         self.runner.effects.apply(plan, probe)  # as in any step but the plan's first: offloaded state moved
         base = probe.start()
         batch = _two_micro_batches(self.batch, plan, self.size)
-        with FlopCount() as flops:
+        with FlopCount() as counted:
             self.run(batch, plan)
         peak = probe.max_memory_allocated()
         overhead = device_overhead(peak, self.target)
@@ -189,8 +196,8 @@ class _Bench:
         run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
         transfers = probe.transfers(run, parts)
         seconds = self.speed.seconds(
-            flops=flops.total * parts / run, precision=plan.precision, transfer_bytes=transfers,
-            host_params=self._host_params(plan), micro_batches=parts,
+            flops=counted.total * parts / run, precision=plan.precision, transfer_bytes=transfers,
+            host_params=self._host_params(plan), micro_batches=parts, ops=counted.ops * parts / run,
         )  # fmt: skip
         phase = None if fits else probe.failing_phase(base)
         self.candidates.append(Candidate(plan, peak, overhead, fits, phase, transfers, seconds))

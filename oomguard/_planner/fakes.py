@@ -21,9 +21,11 @@ from torch.utils._pytree import tree_map
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._backends.units import available_bytes, format_bytes, requested_bytes
+from oomguard._ladder.plan import Plan
 from oomguard._options import GuardOptions
 from oomguard._planner.engine import dry_run
 from oomguard._planner.report import CUDA_CONTEXT_BYTES, PlanReport, Target
+from oomguard._planner.speed import DeviceSpeed
 
 __all__ = ["memory_was_short", "preplan"]
 
@@ -39,11 +41,14 @@ def preplan(
     bf16: bool,
     distributed: bool = False,
     purpose: str = "preplan",
+    search_around: Plan | None = None,
+    speed: DeviceSpeed | None = None,
 ) -> PlanReport | None:
     """The planner's answer for a guard's step on this device, or None (logged) where it cannot tell.
 
-    ``purpose`` names the caller in the log lines: ``"preplan"`` (before the first step) or ``"jump"`` (after the
-    first OOM of a batch bucket).
+    ``purpose`` names the caller in the log lines: ``"preplan"`` (before the first step), ``"jump"`` (after the
+    first OOM of a batch bucket) or ``"tuning"`` (which passes ``search_around``, the plan a bucket settled on,
+    and the ``speed`` of the device measured).
     """
     if distributed:  # the planner's steps would not take part in the process group's agreements
         logger.info("%s: not supported under torch.distributed yet", purpose)
@@ -62,7 +67,7 @@ def preplan(
             report = dry_run(
                 step_fn, fake_batch, model=model, optimizer=fake_optimizer, capacity=capacity, target=target,
                 label=type(model).__name__, ladder=options.rungs.rungs, max_grad_norm=options.max_grad_norm,
-                bf16=bf16,
+                bf16=bf16, search_around=search_around, speed=speed,
             )  # fmt: skip
     except Exception as error:  # a step the planner cannot run on fake tensors (one that reads values, say)
         logger.warning(
@@ -73,6 +78,8 @@ def preplan(
             error,
         )
         return None
+    if search_around is not None:
+        return report
     if report.recommended is None:
         logger.warning("%s: no plan on the ladder fits %s", purpose, format_bytes(capacity))
     else:

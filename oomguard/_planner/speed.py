@@ -3,11 +3,13 @@
 A step's time is modelled as its matrix FLOPs (counted during the fake run by torch's own FLOP formulas,
 ``torch.utils.flop_counter``, checkpointing's recompute included) at the device's throughput for the step's
 precision, plus its host<->device bytes over the link, plus the optimizer's work on the host (optimizer
-offload, offloaded layers), plus a fixed cost per micro-batch (launches, synchronisation). The terms are added,
-not overlapped: an upper bound where a step overlaps copies with compute.
+offload, offloaded layers), plus a fixed cost per operation and per micro-batch (launches, synchronisation). The
+terms are added, not overlapped: an upper bound where a step overlaps copies with compute.
 
 The defaults describe a 6 GB consumer GPU of the RTX 2060/3060 class on PCIe 3.0; pass your own where you know
-better (``oomguard plan --gpu-tflops ... --link-gbps ...``). The model ranks plans; it does not time a job.
+better (``oomguard plan --gpu-tflops ... --link-gbps ...``), or measure the device a job runs on with
+:func:`measure_speed` (a fraction of a second: what the guard does before it times alternatives to a plan). The
+model ranks plans; it does not time a job.
 
 >>> speed = DeviceSpeed()
 >>> whole = speed.seconds(flops=8e12, precision=None, transfer_bytes=0, host_params=0, micro_batches=1)
@@ -18,13 +20,18 @@ better (``oomguard plan --gpu-tflops ... --link-gbps ...``). The model ranks pla
 
 from __future__ import annotations
 
+import functools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["DeviceSpeed", "FlopCount"]
+__all__ = ["DeviceSpeed", "FlopCount", "measure_speed"]
 
 
 class FlopCount(TorchDispatchMode):  # type: ignore[misc]
@@ -37,10 +44,12 @@ class FlopCount(TorchDispatchMode):  # type: ignore[misc]
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.total = 0
+        self.ops = 0  # every operation dispatched, for the fixed cost of each
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.ops += 1
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
             self.total += count(*args, **kwargs, out_val=out)
@@ -51,27 +60,101 @@ class FlopCount(TorchDispatchMode):  # type: ignore[misc]
 class DeviceSpeed:
     """Throughputs of a device, as the planner's time model uses them."""
 
-    #: Sustained half-precision (bf16/fp16) matrix throughput, in TFLOP/s; fp32 runs at half of it.
+    #: Sustained half-precision (bf16/fp16) matrix throughput, in TFLOP/s.
     gpu_tflops: float = 13.0
+    #: Sustained fp32 matrix throughput, in TFLOP/s; None: half of ``gpu_tflops``.
+    fp32_tflops: float | None = None
     #: Host<->device copy bandwidth, in GB/s (PCIe 3.0 x16 sustains about 12).
     link_gbps: float = 12.0
     #: Parameters the host's optimizer (a foreach AdamW on a desktop CPU) steps per second.
     host_params_per_second: float = 1.0e9
     #: Fixed cost of one micro-batch's forward and backward (kernel launches, synchronisation), in seconds.
     micro_batch_seconds: float = 2e-3
+    #: Fixed cost of one operation (dispatch; on a GPU mostly hidden behind the kernels before it), in seconds.
+    op_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.gpu_tflops > 0 and self.link_gbps > 0 and self.host_params_per_second > 0):
+        rates = (self.gpu_tflops, self.fp32_tflops or 1.0, self.link_gbps, self.host_params_per_second)
+        if not all(rate > 0 for rate in rates) or min(self.micro_batch_seconds, self.op_seconds) < 0:
             raise ValueError(f"device throughputs must be positive, got {self}")
 
     def seconds(
-        self, *, flops: float, precision: str | None, transfer_bytes: int, host_params: int, micro_batches: int
+        self,
+        *,
+        flops: float,
+        precision: str | None,
+        transfer_bytes: int,
+        host_params: int,
+        micro_batches: int,
+        ops: float = 0,
     ) -> float:
         """The predicted time of one optimizer step."""
-        tflops = self.gpu_tflops if precision is not None else self.gpu_tflops / 2
+        tflops = self.gpu_tflops if precision is not None else (self.fp32_tflops or self.gpu_tflops / 2)
         return (
             flops / (tflops * 1e12)
             + transfer_bytes / (self.link_gbps * 1e9)
             + host_params / self.host_params_per_second
             + micro_batches * self.micro_batch_seconds
+            + ops * self.op_seconds
         )
+
+
+def measure_speed(device: torch.device, backend: Any = None) -> DeviceSpeed:
+    """The device model of ``device``, measured in a fraction of a second: fp32 and bf16 matrix throughput, the
+    cost of one small operation, host<->device copies (through ``backend``, a memory backend, where given) and
+    a host AdamW step.
+
+    On the CPU (and a :class:`~oomguard.testing.SimulatedGPU`, whose device is the CPU) the tensors are host
+    memory made from numpy, so measuring allocates nothing a simulated budget counts; on CUDA they are small
+    device tensors (a few MiB).
+
+    >>> speed = measure_speed(torch.device("cpu"))
+    >>> speed.gpu_tflops > 0 and speed.fp32_tflops > 0 and speed.op_seconds > 0
+    True
+    """
+    cuda = device.type == "cuda"
+    size = 2048 if cuda else 256
+
+    def tensor(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if cuda:
+            return torch.randn(*shape, device=device, dtype=dtype)
+        made = torch.from_numpy(np.random.default_rng(0).standard_normal(shape, dtype=np.float32))
+        return (made if backend is None else backend.to_host(made)).to(dtype)  # (what ops on it make: host too)
+
+    def best(run: Callable[[], Any], repeats: int = 3) -> float:
+        run()  # warm up (kernels, caches)
+        times = []
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            run()
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - started)
+        return max(min(times), 1e-9)
+
+    flops = 2 * size**3
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = tensor(size, size, dtype=dtype), tensor(size, size, dtype=dtype)
+        rates[dtype] = flops / best(functools.partial(torch.matmul, a, b)) / 1e12
+    one = tensor(1)
+    op_seconds = best(lambda: [one.add(1) for _ in range(100)]) / 100
+    moved = tensor(1 << 20 if cuda else 1 << 16)  # 4 MiB on CUDA, 256 KiB on the host
+    if cuda:
+        host = torch.empty(moved.shape, dtype=moved.dtype, pin_memory=True)
+        copy_seconds = best(lambda: host.copy_(moved))
+    else:
+        copy_seconds = best(lambda: moved.clone())
+    params = [torch.nn.Parameter(tensor(1 << 16))]  # the host optimizer runs on host tensors wherever the device is
+    if cuda:
+        params = [torch.nn.Parameter(torch.randn(1 << 16))]
+    params[0].grad = torch.ones_like(params[0])
+    adam = torch.optim.AdamW(params, foreach=True)
+    adam_seconds = best(adam.step)
+    return DeviceSpeed(
+        gpu_tflops=rates[torch.bfloat16], fp32_tflops=rates[torch.float32],
+        link_gbps=moved.numel() * moved.element_size() / copy_seconds / 1e9,
+        host_params_per_second=params[0].numel() / adam_seconds, micro_batch_seconds=0.0, op_seconds=op_seconds,
+    )  # fmt: skip

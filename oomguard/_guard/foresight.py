@@ -1,0 +1,178 @@
+"""What the dry-run planner and a stopwatch tell the guard: where to jump after a first OOM, and which fitting
+plan runs fastest.
+
+* **The jump.** On the first OOM of a batch bucket that never fitted, the planner runs the failing batch on fake
+  tensors and the guard jumps to the plan it recommends, instead of walking the ladder one rung per OOM.
+* **Tuning.** The ladder stops at the first plan that fits, not the fastest: on one device micro-batches of 1 in
+  bf16 may be the slowest plan that fits, on another the fastest. Once a bucket has run ``tune_after`` clean
+  steps on the plan it fell back to, the planner searches every configuration of the rungs
+  (:mod:`oomguard._planner.search`) with this device's speed measured (:func:`~oomguard._planner.speed.measure_speed`);
+  the guard then runs the next steps on the :data:`TRIALS` fitting plans it predicts fastest, one warm-up step
+  and :data:`TIMED` timed steps each, and keeps the fastest it measured, the settled plan included. Every trial
+  is a whole training step on the user's batch: no sample is lost or doubled, and the maths is each rung's
+  own. A trial that runs out of memory is dropped and its step retried on the settled plan.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from oomguard._backends.memory import MemoryBackend, MemorySnapshot
+from oomguard._effects.effects import Effects
+from oomguard._events import TunedEvent, logger
+from oomguard._guard.buckets import Buckets, Choice
+from oomguard._guard.recovery import Call, Failure
+from oomguard._ladder.ladder import Ladder
+from oomguard._ladder.plan import Plan
+from oomguard._options import GuardOptions
+from oomguard._planner.fakes import memory_was_short, preplan
+from oomguard._planner.speed import measure_speed
+
+__all__ = ["TIMED", "TRIALS", "Foresight", "Tuned"]
+
+#: Alternatives to the settled plan timed on real steps, and timed steps on each (after one warm-up step).
+TRIALS, TIMED = 3, 2
+
+
+@dataclass
+class _Tuning:
+    settled: Plan
+    plans: list[Plan]  # the settled plan first (already warm), then the alternatives
+    index: int = 0
+    calls: int = 0  # calls so far on plans[index]
+    times: dict[Plan, list[float]] = field(default_factory=dict)
+
+    @property
+    def current(self) -> Plan | None:
+        return self.plans[self.index] if self.index < len(self.plans) else None
+
+    def next(self) -> None:
+        self.index, self.calls = self.index + 1, 0
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """The outcome of tuning a bucket: the plan to keep, and every plan's median step time (None: it ran out of
+    memory)."""
+
+    bucket: int
+    settled: Plan
+    plan: Plan
+    timings: tuple[tuple[Plan, float | None], ...]
+
+    def event(self, step: int, size: int, memory: MemorySnapshot) -> TunedEvent:
+        """The ``tuned`` event that says so, after step ``step`` on a batch of ``size``."""
+        timings = ", ".join(
+            f"{plan.describe(size)}: {'out of memory' if median is None else f'{median:.3g} s'}"
+            for plan, median in self.timings
+        )
+        return TunedEvent(step, self.plan.to_dict(), memory, self.settled.to_dict(),
+                          tuple((plan.to_dict(), median) for plan, median in self.timings),
+                          f"{timings}; keeping {self.plan.describe(size)}")  # fmt: skip
+
+
+class Foresight:
+    """The guard's jump and tuning (see the module); it changes no plan itself, it tells the guard which."""
+
+    def __init__(self, step_fn: Callable[[Any], Any], options: GuardOptions, buckets: Buckets, effects: Effects,
+                 bf16: bool, device: torch.device) -> None:  # fmt: skip
+        self.step_fn, self.options, self.buckets, self.effects = step_fn, options, buckets, effects
+        self.bf16, self.device = bf16, device
+        self.ladder: Ladder = options.rungs
+        self._due: dict[int, int] = {}  # bucket -> clean steps since it settled after an OOM
+        self._tuning: dict[int, _Tuning] = {}
+
+    def reset(self) -> None:
+        """Forget every bucket (a plan assigned by hand)."""
+        self._due.clear()
+        self._tuning.clear()
+
+    # -- the jump ---------------------------------------------------------------------------------------
+    def jump(self, call: Call, failure: Failure, distributed: bool) -> tuple[tuple[str, ...], Plan] | None:
+        """On the first OOM of a bucket that never fitted: the plan the dry-run planner predicts fits this batch,
+        and the rungs it engages (None: walk the ladder, as after any other OOM, and where it cannot plan)."""
+        if not (self.options.predictive and len(call.tried) == 1 and call.batch is not None
+                and not self.effects.holds and not distributed and call.choice.fallback is None
+                and not self.buckets.fitted(call.choice.bucket)
+                and memory_was_short(failure.summary.message, self.device)):  # fmt: skip
+            return None
+        report = preplan(self.step_fn, call.batch, self.options, call.backend, bf16=self.bf16, purpose="jump")
+        plan = None if report is None else report.recommended
+        engaged = () if plan is None else self.ladder.changed(failure.plan, plan, call.size)
+        return (engaged, plan) if plan is not None and engaged else None  # (none: it knows no better)
+
+    # -- tuning -----------------------------------------------------------------------------------------
+    def choose(self, choice: Choice, batch: Any, size: int, backend: MemoryBackend) -> Choice:
+        """The plan a full step of ``choice``'s bucket runs on: a trial's while the bucket is being tuned."""
+        bucket = choice.bucket
+        tuning = self._tuning.get(bucket)
+        if tuning is None and self._due.get(bucket, -1) >= (self.options.tune_after or 0) and not choice.relaxing:
+            del self._due[bucket]
+            alternatives = self._alternatives(batch, choice.plan, size, backend)
+            if alternatives:
+                tuning = self._tuning[bucket] = _Tuning(choice.plan, [choice.plan, *alternatives])
+        if tuning is None or tuning.current is None or tuning.current == tuning.settled:
+            return choice
+        return Choice(bucket, tuning.current, fallback=tuning.settled, trial=True)
+
+    def settled(self, bucket: int) -> None:
+        """A step of ``bucket`` succeeded after an OOM on a plan of its own: tune once it has run clean steps."""
+        if self.options.tune_after is not None:
+            self._due[bucket] = 0
+            self._tuning.pop(bucket, None)
+
+    def trial_failed(self, choice: Choice) -> Plan:
+        """A trial ran out of memory: it is dropped; the plan to retry its step on."""
+        tuning = self._tuning[choice.bucket]
+        tuning.times[choice.plan] = []
+        tuning.next()
+        return tuning.settled
+
+    def timed(self, choice: Choice, plan: Plan, clean: bool, seconds: float) -> Tuned | None:
+        """A full step of ``choice``'s bucket took ``seconds`` on ``plan`` (``clean``: with no OOM); the outcome
+        once the bucket's tuning is complete."""
+        bucket = choice.bucket
+        if bucket in self._due and clean and plan == choice.plan:
+            self._due[bucket] += 1
+        tuning = self._tuning.get(bucket)
+        if tuning is None:
+            return None
+        if tuning.current == plan and clean:
+            tuning.calls += 1
+            if tuning.index == 0 or tuning.calls > 1:  # a trial's first step warms it up (its effects applied)
+                tuning.times.setdefault(plan, []).append(seconds)
+            if len(tuning.times.get(plan, ())) >= TIMED:
+                tuning.next()
+        if tuning.current is not None:
+            return None
+        del self._tuning[bucket]
+        timings = tuple((p, statistics.median(t) if t else None) for p, t in tuning.times.items())
+        measured = [(seconds, p) for p, seconds in timings if seconds is not None]
+        best = min(measured, key=lambda item: item[0])[1] if measured else tuning.settled
+        return Tuned(bucket, tuning.settled, best, timings)
+
+    def _alternatives(self, batch: Any, settled: Plan, size: int, backend: MemoryBackend) -> list[Plan]:
+        """The fitting plans the planner predicts fastest on this device, other than ``settled``."""
+        try:
+            speed = measure_speed(self.device, backend)
+        except Exception as error:  # (an OOM on a full CUDA device, say): the plan stays, untimed
+            logger.warning("tuning: cannot measure this device's speed (%s: %s)", type(error).__name__, error)
+            return []
+        report = preplan(self.step_fn, batch, self.options, backend, bf16=self.bf16, purpose="tuning",
+                         search_around=settled, speed=speed)  # fmt: skip
+        if report is None:
+            return []
+        fitting = sorted((c for c in report.candidates if c.fits), key=lambda c: c.predicted_seconds)
+        chosen = [settled]  # the fastest plan of each configuration (of the settled one: a larger micro-batch)
+        for candidate in fitting:
+            plan = candidate.plan
+            taken = [p for p in chosen if p.replace(micro_batch_size=None) == plan.replace(micro_batch_size=None)]
+            larger = plan.effective_micro_batch_size(size) > settled.effective_micro_batch_size(size)
+            if not taken or (taken == [settled] and larger):
+                chosen.append(plan.replace(micro_batch_size=None) if plan.micro_batches(size) == 1 else plan)
+        return chosen[1 : TRIALS + 1]

@@ -1,0 +1,169 @@
+"""Tuning: once a bucket settled after an OOM, the guard times the fitting plans the planner ranks fastest on real
+steps and keeps the fastest it measured, without losing, doubling or changing the maths of a single step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import clone_model, make_llama
+
+from oomguard import OOMGuard, Plan, TunedEvent
+from oomguard._guard.buckets import Choice
+from oomguard._guard.foresight import TIMED, Foresight
+from oomguard._planner.search import search
+from oomguard._cli.main import main
+from oomguard.testing import SimulatedGPU
+
+BATCH, SEQ, STEPS = 16, 32, 15
+
+
+def lm_batches(count: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(1, 64, (BATCH, SEQ), generator=generator)
+        batches.append({"input_ids": ids, "labels": ids})
+    return batches
+
+
+def reference(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> torch.nn.Module:
+    model = clone_model(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in batches:
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def peak_of_plain_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    model = clone_model(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        for _ in range(2):  # the second step has Adam's state resident
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return gpu.max_memory_allocated()
+
+
+def test_a_settled_fp32_job_runs_on_the_fastest_plan_measured_and_stays_exact(tmp_path: Path) -> None:
+    """An exact (fp32) job is tuned among exact plans only: every step is one optimizer step on every sample,
+    the weights equal an unguarded run's, and the plan kept is the fastest the event reports."""
+    model = make_llama(layers=2, hidden=64)
+    batches = lm_batches(STEPS)
+    expected = reference(model, batches)
+    budget = peak_of_plain_step(model, batches[0]) * 2 // 5
+    log = tmp_path / "events.jsonl"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    steps: list[int] = []
+    optimizer.register_step_post_hook(lambda *_: steps.append(1))
+    guard = OOMGuard(lambda b: model(**b), model=model, optimizer=optimizer, log_file=log, tune_after=2)
+    with SimulatedGPU(budget) as gpu:
+        gpu.adopt(model)
+        results = [guard(batch) for batch in batches]
+    assert results[0].ooms >= 1 and sum(r.ooms for r in results[1:]) == 0
+    assert len(steps) == STEPS and [r.step for r in results] == list(range(STEPS))
+    tuned = [e for e in guard.events if isinstance(e, TunedEvent)]
+    assert len(tuned) == 1, "tuned once, after the fallback"
+    (event,) = tuned
+    plans = [Plan.from_dict(plan) for plan, _ in event.timings]
+    assert plans[0] == results[0].plan and 2 <= len(plans) <= 4, "the settled plan and up to 3 alternatives"
+    assert all(plan.precision is None for plan in plans), "no mixed precision where memory did not force it"
+    fastest = min(event.timings, key=lambda item: item[1] if item[1] is not None else float("inf"))
+    assert Plan.from_dict(event.plan) == Plan.from_dict(fastest[0]) == results[-1].plan == guard.plan
+    assert len({r.plan for r in results}) >= 2, "the alternatives ran"
+    for got, want in zip(model.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["event"] for e in logged].count("tuned") == 1
+    assert main(["report", str(log)]) == 0
+
+
+def test_a_trial_that_runs_out_of_memory_is_dropped_and_its_step_retried_on_the_settled_plan() -> None:
+    model = make_llama(layers=2, hidden=64)
+    batches = lm_batches(STEPS)
+    expected = reference(model, batches)
+    budget = peak_of_plain_step(model, batches[0]) * 2 // 5
+    guard = OOMGuard(lambda b: model(**b), model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                     tune_after=2)  # fmt: skip
+    with SimulatedGPU(budget) as gpu:
+        gpu.adopt(model)
+        results = []
+        for batch in batches:
+            tuning = guard._foresight._tuning  # (an OOM injected into the first trial's first step)
+            trial = next(iter(tuning.values()), None)
+            if trial is not None and trial.index == 1 and trial.calls == 0:
+                gpu.fail_allocation(3)
+            results.append(guard(batch))
+    settled = results[0].plan
+    failed = [r for r in results if r.ooms and r.step > 0]
+    assert len(failed) == 1 and failed[0].plan == settled, "the trial's step was retried on the settled plan"
+    (event,) = [e for e in guard.events if isinstance(e, TunedEvent)]
+    assert event.timings[1][1] is None, "the trial that ran out of memory has no time"
+    for got, want in zip(model.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_no_tuning_without_a_fallback_or_when_turned_off() -> None:
+    model = make_llama(layers=2, hidden=64)
+    batches = lm_batches(8)
+    budget = peak_of_plain_step(model, batches[0]) * 2 // 5
+    for options, gpu_budget in (({}, 2**30), ({"tune_after": None}, budget)):
+        guard = OOMGuard(lambda b: model(**b), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                         **options)  # fmt: skip
+        with SimulatedGPU(gpu_budget) as gpu:
+            gpu.adopt(model)
+            plans = {guard(batch).plan for batch in batches}
+        assert len(plans) == 1 and not [e for e in guard.events if isinstance(e, TunedEvent)]
+
+
+def test_the_fastest_median_is_kept_and_warm_up_steps_are_not_timed() -> None:
+    """The bookkeeping alone, with made-up times: the settled plan is timed at once, each alternative after one
+    warm-up step, and the plan with the lowest median wins."""
+    settled, fast, slow = Plan(micro_batch_size=1), Plan(micro_batch_size=4, activation_offload=True), Plan(
+        checkpointing="full"
+    )
+    foresight = Foresight.__new__(Foresight)
+    foresight._due, foresight._tuning = {}, {}
+    foresight.options = type("Options", (), {"tune_after": 1})()  # type: ignore[assignment]
+    foresight._alternatives = lambda *args: [fast, slow]  # type: ignore[method-assign]
+    foresight.settled(7)
+    assert foresight.timed(Choice(7, settled), settled, True, 1.0) is None  # a clean step: due now
+    times = {settled: [1.0, 1.2], fast: [9.0, 0.5, 0.6], slow: [9.0, 2.0, 2.0]}  # (9.0: warm-up steps)
+    outcome = None
+    for _ in range(8):
+        choice = foresight.choose(Choice(7, settled), None, 8, None)  # type: ignore[arg-type]
+        outcome = foresight.timed(choice, choice.plan, True, times[choice.plan].pop(0))
+        if outcome is not None:
+            break
+    assert outcome is not None and outcome.plan == fast and outcome.settled == settled
+    assert dict(outcome.timings) == pytest.approx({settled: 1.1, fast: 0.55, slow: 2.0})
+    assert all(not left for left in times.values()), f"{TIMED} timed steps each, one warm-up per alternative"
+
+
+def test_the_search_measures_the_largest_fitting_micro_batch_and_skips_dominated_configurations() -> None:
+    """Configurations as (precision level, checkpointing level); each fits micro-batches up to a limit of its own.
+    bf16 with checkpointing is not measured: bf16 alone already runs the whole batch, and checkpointing would
+    only add work. fp32 with checkpointing starts its bisection above fp32's limit (it saves more memory)."""
+    limits = {(0, 0): 2, (0, 1): 4, (1, 0): 8, (1, 1): 8}
+    plans = {levels: Plan(checkpointing="full" if levels[1] else None, precision="bf16" if levels[0] else None)
+             for levels in limits}  # fmt: skip
+    by_plan = {plan: levels for levels, plan in plans.items()}
+    measured: list[tuple[tuple[int, int], int]] = []
+
+    def fits(plan: Plan) -> bool:
+        levels, size = by_plan[plan.replace(micro_batch_size=None)], plan.effective_micro_batch_size(8)
+        measured.append((levels, size))
+        return size <= limits[levels]
+
+    configs = sorted(plans.items(), key=lambda item: sum(item[0]))
+    found = search(configs, 8, 1, fits)
+    assert found == {plans[0, 0]: 2, plans[1, 0]: 8, plans[0, 1]: 4}
+    assert (1, 1) not in {levels for levels, _ in measured}
+    assert [size for levels, size in measured if levels == (0, 1)] == [8, 4], "sizes above 2 only"
