@@ -1,11 +1,14 @@
 """What each rung of the ladder costs and saves: peak device memory and step time, rung by rung.
 
-For one model and batch, on a SimulatedGPU (CPU), this measures the plain step, each rung alone, and the plan
-the guard settles on under a budget the plain step does not fit. Peaks are the simulator's exact tensor
-accounting; step times are medians over interleaved rounds and include the simulator's own overhead (the same
-for every plan), so compare them with each other rather than with a real GPU.
+For one model and batch, on a SimulatedGPU (CPU), this measures the plain step and each rung alone; then, under
+a budget the plain step does not fit, every configuration of micro-batch size x precision x checkpointing x
+activation offload that fits (each at its largest fitting micro-batch), and the plan the guard runs on after
+``--steps`` steps with its default ladder and options, against the fastest of them. Peaks are the simulator's
+exact tensor accounting; step times are medians over interleaved rounds and include the simulator's own overhead
+(the same for every plan), so compare them with each other rather than with a real GPU. *Predicted* is the
+planner's device model with this machine's speed measured (what the guard's tuning ranks by).
 
-    python benchmarks/ladder.py [--rounds 5] [--budget 24MiB] [--json out.json]
+    python benchmarks/ladder.py [--rounds 5] [--budget 24MiB] [--steps 20] [--json out.json]
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from typing import Any
 
 import torch
 
-from oomguard import OOMGuard, Plan
+from oomguard import OOMGuard, Plan, TunedEvent
 from oomguard._backends.units import format_bytes, parse_bytes
 from oomguard._cli.data import stdlib_text, text_batches
 from oomguard._cli.demo import DemoConfig, build_model
+from oomguard._planner.fakes import preplan
+from oomguard._planner.speed import measure_speed
 from oomguard.testing import SimulatedGPU
 
 CONFIG = DemoConfig(batch_size=8, seq_len=256, hidden_size=128, layers=4)
@@ -65,15 +70,17 @@ class _Run:
         return sum(-(-nbytes // 512) * 512 for nbytes in storages.values())
 
 
-def measure_plans(rounds: int) -> list[dict[str, Any]]:
-    """Peak and median step time of each plan, the plans interleaved round by round."""
+def measure_plans(plans: list[tuple[str, Plan]], rounds: int) -> list[dict[str, Any]]:
+    """Peak and median step time of each plan, the plans interleaved round by round, and its step time as the
+    planner's device model predicts it (measured on this machine, as the guard's tuning does)."""
     batches = text_batches(stdlib_text(), CONFIG.batch_size, CONFIG.seq_len, seed=3)
     runs = []
-    for name, plan in PLANS:
+    for name, plan in plans:
         model = build_model(CONFIG)
         guard = _guard(model, ladder=[])
         guard.plan = plan
         runs.append(_Run(name, plan, model, guard))
+    predicted = _predicted([plan for _, plan in plans])
     with SimulatedGPU("4GiB") as gpu:
         for run in runs:
             gpu.adopt(run.model)
@@ -93,56 +100,89 @@ def measure_plans(rounds: int) -> list[dict[str, Any]]:
         {
             "name": run.name,
             "plan": run.plan.to_dict(),
+            "description": run.plan.describe(CONFIG.batch_size),
             "peak_bytes": run.peak,
             "step_s": statistics.median(run.times),
+            "predicted_s": predicted[run.plan],
             "transfer_bytes": run.transfer_bytes,
         }
         for run in runs
     ]
 
 
+def _predicted(plans: list[Plan]) -> dict[Plan, float]:
+    """Each plan's step time by the planner's device model, this machine's speed measured."""
+    batch = next(text_batches(stdlib_text(), CONFIG.batch_size, CONFIG.seq_len, seed=3))
+    model = build_model(CONFIG)
+    guard = _guard(model)
+    with SimulatedGPU("4GiB") as gpu:
+        gpu.adopt(model)
+        speed = measure_speed(torch.device("cpu"), gpu)
+        report = preplan(lambda b: model(**b), batch, guard.options, gpu, bf16=True,
+                         plans=plans, speed=speed)  # fmt: skip
+    assert report is not None
+    return {c.plan: c.predicted_seconds for c in report.candidates}
+
+
+def fitting_plans(budget: int) -> list[tuple[str, Plan]]:
+    """Every configuration of micro-batch size x precision x checkpointing x activation offload that fits
+    ``budget``, each at its largest fitting micro-batch, as the planner's exact search finds them."""
+    batch = next(text_batches(stdlib_text(), CONFIG.batch_size, CONFIG.seq_len, seed=3))
+    model = build_model(CONFIG)
+    guard = _guard(model)
+    with SimulatedGPU(budget) as gpu:
+        gpu.adopt(model)
+        report = preplan(lambda b: model(**b), batch, guard.options, gpu, bf16=True,
+                         search_around=Plan(precision="bf16"))  # fmt: skip
+    assert report is not None
+    best: dict[Plan, Plan] = {}
+    for candidate in report.candidates:
+        config, size = candidate.plan.replace(micro_batch_size=None), CONFIG.batch_size
+        larger = config not in best or (
+            candidate.plan.effective_micro_batch_size(size) > best[config].effective_micro_batch_size(size)
+        )
+        if candidate.fits and larger:
+            best[config] = candidate.plan
+    return [(plan.describe(CONFIG.batch_size), plan) for plan in best.values()]
+
+
 def settle(budget: int, steps: int) -> dict[str, Any]:
-    """Run the guard with its default ladder under ``budget`` and report the plan it settles on."""
+    """Run the guard with its default ladder and options under ``budget`` for ``steps`` steps; report the plan
+    it runs on at the end, the OOMs it took, and what its tuning timed."""
     batches = text_batches(stdlib_text(), CONFIG.batch_size, CONFIG.seq_len, seed=4)
     model = build_model(CONFIG)
     guard = _guard(model)
-    times, ooms = [], 0
+    ooms, first_step_ooms = 0, None
     with SimulatedGPU(budget) as gpu:
         gpu.adopt(model)
         for _ in range(steps):
-            started = time.perf_counter()
             result = guard(next(batches))
-            times.append(time.perf_counter() - started)
             ooms += result.ooms
-        gpu.reset_peak_memory_stats()
-        started = time.perf_counter()
-        last = guard(next(batches))
-        settled_time = time.perf_counter() - started
-        peak = gpu.max_memory_allocated()
+            first_step_ooms = result.ooms if first_step_ooms is None else first_step_ooms
+    tuned = [event for event in guard.events if isinstance(event, TunedEvent)]
     return {
-        "name": "settled under the budget",
-        "plan": guard.plan.to_dict(),
-        "description": guard.plan.describe(CONFIG.batch_size),
-        "peak_bytes": peak,
-        "step_s": min(settled_time, statistics.median(times[-3:])),
+        "plan": guard.plans[next(iter(guard.plans))].to_dict(),
+        "description": guard.plans[next(iter(guard.plans))].describe(CONFIG.batch_size),
+        "first_plan": Plan.from_dict(guard.events[1].plan).describe(CONFIG.batch_size) if ooms else "whole batch",
         "ooms": ooms,
+        "first_step_ooms": first_step_ooms,
         "budget_bytes": budget,
-        "transfer_bytes": last.transfer_bytes,
+        "tuned": tuned[0].description if tuned else None,
     }
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    plain = rows[0]
+def table(rows: list[dict[str, Any]], versus: str = "plain") -> str:
+    """The rows against the first row (``versus`` names it) or, for ``versus="fastest"``, the fastest row."""
+    base = rows[0] if versus == "plain" else min(rows, key=lambda row: row["step_s"])
     lines = [
-        "| plan | peak device memory | vs plain | step time | vs plain | host<->device per step |",
-        "|---|---|---|---|---|---|",
+        f"| plan | peak device memory | vs {versus} | step time | predicted | vs {versus} | host<->device per step |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['name']}{' — ' + row['description'] if 'description' in row else ''} | "
-            f"{format_bytes(row['peak_bytes'])} | {row['peak_bytes'] / plain['peak_bytes']:.2f}x | "
-            f"{row['step_s'] * 1e3:.0f} ms | {row['step_s'] / plain['step_s']:.2f}x | "
-            f"{format_bytes(row.get('transfer_bytes', 0))} |"
+            f"| {row['name']} | {format_bytes(row['peak_bytes'])} | {row['peak_bytes'] / base['peak_bytes']:.2f}x | "
+            f"{row['step_s'] * 1e3:.0f} ms | {row['predicted_s'] * 1e3:.0f} ms | "
+            f"{row['step_s'] / base['step_s']:.2f}x | {format_bytes(row.get('transfer_bytes', 0))} |"
         )
     return "\n".join(lines)
 
@@ -151,24 +191,42 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--budget", default="24MiB", help="the budget for the settled plan (plain needs more)")
-    parser.add_argument("--steps", type=int, default=6, help="steps to settle under the budget")
+    parser.add_argument("--steps", type=int, default=20, help="steps the guard runs under the budget")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    rows = measure_plans(args.rounds)
-    settled = settle(parse_bytes(args.budget), args.steps)
-    rows.append(settled)
+    torch.set_num_threads(1)  # (a busy second core would stall every operation)
+    budget = parse_bytes(args.budget)
+    rungs = measure_plans(PLANS, args.rounds)
+    settled = settle(budget, args.steps)
+    fitting = measure_plans(fitting_plans(budget), args.rounds)
+    kept = next((row for row in fitting if row["plan"] == settled["plan"]), None)
+    if kept is None:  # a plan the search did not list (a smaller micro-batch of a listed configuration)
+        kept = measure_plans([("settled", Plan.from_dict(settled["plan"]))], args.rounds)[0]
+    fastest = min(row["step_s"] for row in fitting)
+    settled["step_s"], settled["fastest_over_settled"] = kept["step_s"], fastest / kept["step_s"]
     meta = {
         "model": f"Llama hidden {CONFIG.hidden_size} x {CONFIG.layers} layers, AdamW",
         "batch": f"{CONFIG.batch_size} x {CONFIG.seq_len} tokens",
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}",
         "date": time.strftime("%Y-%m-%d"),
     }
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"{meta['model']}, batch {meta['batch']}, SimulatedGPU; {meta['machine']}, {meta['date']}")
-    print(f"settled under {format_bytes(settled['budget_bytes'])} after {settled['ooms']} OOM(s)\n")
-    print(table(rows))
+        data = {"meta": meta, "rungs": rungs, "fitting": fitting, "settled": settled}
+        args.json.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"{meta['model']}, batch {meta['batch']}, SimulatedGPU; {meta['machine']}, {meta['date']}\n")
+    print("Each rung alone, no budget:\n")
+    print(table(rungs))
+    print(f"\nEvery configuration that fits {format_bytes(budget)}, at its largest micro-batch:\n")
+    print(table(fitting, versus="fastest"))
+    print(
+        f"\nThe guard (default ladder and options), {args.steps} steps under {format_bytes(budget)}: "
+        f"{settled['first_step_ooms']} OOM(s) on its first step ({settled['ooms']} in all), first settled on "
+        f"{settled['first_plan']}; runs on {settled['description']} at the end: {kept['step_s'] * 1e3:.0f} ms a "
+        f"step, the fastest fitting plan's time over its: {settled['fastest_over_settled']:.2f} (target >= 0.8)."
+    )
+    if settled["tuned"]:
+        print(f"Its tuning timed: {settled['tuned']}")
     return 0
 
 

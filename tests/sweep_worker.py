@@ -58,6 +58,7 @@ def rung_configs(blocks: int) -> dict[str, Plan]:
         "checkpointing full": Plan(checkpointing="full"),
         "activation offload": Plan(activation_offload=True),
         "optimizer offload": Plan(optimizer_offload=True),
+        "optimizer offload, master weights": Plan(precision="bf16", optimizer_offload="master"),
         "layer offload": Plan(offload_layers=blocks - 1),
         "every rung": Plan(
             micro_batch_size=2,
@@ -437,7 +438,9 @@ def problems(
         found.append(f"the successful attempt saw samples {sorted(final)}, not {sorted(sample_ids)}")
     found += [f"vs fault-free on {result.plan.describe()}: {d}" for d in differences(outcome.after, same_plan.after)]
     plan = intended.result.plan
-    same_maths = result.plan.precision == plan.precision  # a recovery into amp changes the maths by design
+    # A recovery into amp, or into or out of bf16 master weights, changes the maths by design.
+    masters = (result.plan.optimizer_offload == "master", plan.optimizer_offload == "master")
+    same_maths = result.plan.precision == plan.precision and masters[0] == masters[1]
     split_differently = result.micro_batch_size != intended.result.micro_batch_size
     # In half precision every micro-batch's products round on their own: only the same-plan comparison is exact.
     if same_maths and not (split_differently and plan.precision is not None):
@@ -552,7 +555,9 @@ def sweep(
         if choose is not None:
             picked = choose(picked)
         references = {intended.result.plan: intended}
-        freed: dict[int, list[int]] = {}
+        # Memory after recovery, by where the fault was: an apply that fails leaves the model as it was (master
+        # weights halve it all or nothing); a later fault, as the plan's effects made it.
+        freed: dict[bool, dict[int, list[int]]] = {True: {}, False: {}}
         for index in picked:
             outcome = run_step(state, batch, plan, workload=workload, fault=index if faulted else None, wrap=wrap)
             final = outcome.result.plan
@@ -574,9 +579,11 @@ def sweep(
             )
             report.failures += [f"step {step}, allocation {index} ({phase}): {p}" for p in found]
             if outcome.ooms:
-                freed.setdefault(outcome.ooms[0].memory_after_recovery.allocated, []).append(index)
-        if len(freed) > 1:  # recovery frees all a failed attempt made, however far it got: the same every time
-            report.failures.append(f"step {step}: in use after recovery (bytes: allocations faulted) {freed}")
+                group = freed[outcome.ooms[0].error.phase == "apply"]
+                group.setdefault(outcome.ooms[0].memory_after_recovery.allocated, []).append(index)
+        for group in freed.values():
+            if len(group) > 1:  # recovery frees all a failed attempt made, however far it got: the same every time
+                report.failures.append(f"step {step}: in use after recovery (bytes: allocations faulted) {group}")
         state = intended.after
     return report
 

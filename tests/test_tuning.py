@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from conftest import clone_model, make_llama
 
 from oomguard import OOMGuard, Plan, TunedEvent
+from oomguard._cli.main import main
 from oomguard._guard.buckets import Choice
 from oomguard._guard.foresight import TIMED, Foresight
 from oomguard._planner.search import search
-from oomguard._cli.main import main
 from oomguard.testing import SimulatedGPU
 
 BATCH, SEQ, STEPS = 16, 32, 15
@@ -126,8 +125,10 @@ def test_no_tuning_without_a_fallback_or_when_turned_off() -> None:
 def test_the_fastest_median_is_kept_and_warm_up_steps_are_not_timed() -> None:
     """The bookkeeping alone, with made-up times: the settled plan is timed at once, each alternative after one
     warm-up step, and the plan with the lowest median wins."""
-    settled, fast, slow = Plan(micro_batch_size=1), Plan(micro_batch_size=4, activation_offload=True), Plan(
-        checkpointing="full"
+    settled, fast, slow = (
+        Plan(micro_batch_size=1),
+        Plan(micro_batch_size=4, activation_offload=True),
+        Plan(checkpointing="full"),
     )
     foresight = Foresight.__new__(Foresight)
     foresight._due, foresight._tuning = {}, {}

@@ -45,6 +45,7 @@ class Effects:
         _refuse_if_held(target.model, self)
         self.target = target
         self._layers = LayerOffloadEffect(target)
+        self._optimizer = OptimizerOffloadEffect(target)
         # Layer offload before activation offload: its saved-tensor hook must see the copies of streamed weights
         # before activation offload would move them to the host. Undone in the reverse order.
         self._effects: list[Effect] = [
@@ -52,7 +53,7 @@ class Effects:
             CheckpointingEffect(target),
             self._layers,
             ActivationOffloadEffect(target),
-            OptimizerOffloadEffect(target),  # after layer offload: it moves back the state of restored layers
+            self._optimizer,  # after layer offload: it moves back the state of restored layers
         ]
         for rung in rungs:
             make = rung.effect()
@@ -71,7 +72,10 @@ class Effects:
             effect.check(plan)
         _refuse_if_held(self.target.model, self)
         try:
-            changed = [effect.apply(plan, backend) for effect in self._effects]  # every one, in order
+            # fp32 weights back on the device before layer offload takes any block to the host (optimizer_offload's
+            # master level ends where a plan offloads layers)
+            changed = [self._optimizer.end_master_weights(plan, backend)]
+            changed += [effect.apply(plan, backend) for effect in self._effects]  # every one, in order
         finally:
             self._hold_while_changed()
         return any(changed)

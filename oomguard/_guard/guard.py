@@ -300,6 +300,7 @@ class OOMGuard:
             phase=phase,
             can_offload=call.backend.offloads,
             max_micro_batch=predicted,
+            distributed=distributed,
         )
 
     def _give_up(self, call: Call, reason: GiveUp, cause: BaseException) -> NoReturn:

@@ -68,8 +68,9 @@ class Plan:
             scaler); ``None`` for full precision.
         checkpointing: ``"partial"`` checkpoints every other repeated block, ``"full"`` every block.
         activation_offload: keep tensors saved for backward in host memory.
-        optimizer_offload: keep the optimizer's state in host memory and run its step there; the parameters
-            stay on the device.
+        optimizer_offload: ``True`` keeps the optimizer's state in host memory and runs its step there; the
+            parameters stay on the device. ``"master"`` (with ``precision="bf16"`` and no offloaded layers) also
+            keeps the fp32 master weights on the host and only a bf16 copy of them on the device.
         offload_layers: how many repeated blocks keep their parameters, gradients and optimizer state in host
             memory, streamed to the device only while in use.
         extras: the levels of rungs that are not built in, by rung name (see :class:`oomguard.Rung`); empty
@@ -87,7 +88,13 @@ class Plan:
         default=None, metadata=_owned_by("checkpointing", "{} checkpointing")
     )
     activation_offload: bool = field(default=False, metadata=_owned_by("activation_offload", "activations offloaded"))
-    optimizer_offload: bool = field(default=False, metadata=_owned_by("optimizer_offload", "optimizer state offloaded"))
+    optimizer_offload: bool | Literal["master"] = field(
+        default=False,
+        metadata={
+            **_owned_by("optimizer_offload", "optimizer state offloaded"),
+            "master": "optimizer state and fp32 master weights offloaded (bf16 weights on the device)",
+        },
+    )
     offload_layers: int = field(default=0, metadata=_owned_by("layer_offload", "{} layer(s) offloaded"))
     extras: tuple[tuple[str, int], ...] = ()
 
@@ -99,9 +106,10 @@ class Plan:
             raise ValueError(f"Plan.precision must be None, 'bf16' or 'fp16', got {self.precision!r}")
         if self.checkpointing not in (None, "partial", "full"):
             raise ValueError(f"Plan.checkpointing must be None, 'partial' or 'full', got {self.checkpointing!r}")
-        for name in ("activation_offload", "optimizer_offload"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Plan.{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.activation_offload, bool):
+            raise ValueError(f"Plan.activation_offload must be True or False, got {self.activation_offload!r}")
+        if not isinstance(self.optimizer_offload, bool) and self.optimizer_offload != "master":
+            raise ValueError(f"Plan.optimizer_offload must be True, False or 'master', got {self.optimizer_offload!r}")
         if isinstance(self.offload_layers, bool) or not isinstance(self.offload_layers, int) or self.offload_layers < 0:
             raise ValueError(f"Plan.offload_layers must be an int >= 0, got {self.offload_layers!r}")
         for name, level in self.extras:
@@ -170,13 +178,19 @@ class Plan:
             parts = [f"micro-batches of {self.micro_batch_size}"]
         else:
             parts = [f"micro-batches of {self.micro_batch_size} (x{self.micro_batches(batch_size)})"]
-        parts += [f.metadata["phrase"].format(getattr(self, f.name)) for f in _RUNG_FIELDS if getattr(self, f.name)]
+        parts += [_phrase(f, getattr(self, f.name)) for f in _RUNG_FIELDS if getattr(self, f.name)]
         parts += [name if level == 1 else f"{name} (level {level})" for name, level in self.extras]
         return ", ".join(parts)
 
     def _settings(self) -> list[tuple[str, Any]]:
         """(rung name, value) of each built-in rung but micro-batching, in the order of the fields."""
         return [(f.metadata["rung"], getattr(self, f.name)) for f in _RUNG_FIELDS]
+
+
+def _phrase(field_: dataclasses.Field[Any], value: Any) -> str:
+    """How ``describe`` words an engaged field: its own phrase for a named value, else the field's phrase."""
+    named = field_.metadata.get(value) if isinstance(value, str) else None
+    return str(named) if named is not None else str(field_.metadata["phrase"]).format(value)
 
 
 _RUNG_FIELDS = tuple(f for f in dataclasses.fields(Plan) if "rung" in f.metadata)

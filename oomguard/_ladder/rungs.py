@@ -47,6 +47,8 @@ class RungContext:
     amp_available: bool = True
     #: False when the optimizer cannot step on the host (its state must stay on the device: capturable Adam).
     optimizer_offloadable: bool = True
+    #: Whether the ranks of a torch.distributed job train together (DDP's buckets fix the parameters' dtype).
+    distributed: bool = False
 
 
 class Rung:
@@ -214,18 +216,27 @@ class ActivationOffload(_OneField):
 class OptimizerOffload(_OneField):
     """Keep the optimizer's state (Adam's moments) in host memory and run the optimizer step there: the device
     keeps the parameters and gradients only. Each step copies the gradients and parameters to the host and the
-    updated parameters back; the maths is the optimizer's own, on the host."""
+    updated parameters back; the maths is the optimizer's own, on the host.
+
+    Its second level, where the plan runs bf16 and offloads no layer (and not under ``torch.distributed``, whose
+    gradient buckets are made for the parameters' dtype), also keeps the fp32 master weights on the host and only
+    a bf16 copy on the device: weights and gradients take half the device memory, a step moves 4 bytes per
+    parameter, and the maths is bf16 training with fp32 master weights (within amp's tolerance)."""
 
     name: str = "optimizer_offload"
-    relieves: frozenset[Phase] = frozenset({Phase.CLIP, Phase.OPTIMIZER, Phase.APPLY})
+    relieves: frozenset[Phase] = EVERY_PHASE  # the state is resident in every phase; the master level halves weights
 
     _FIELD = "optimizer_offload"
-    _LEVELS = (False, True)
+    _LEVELS = (False, True, "master")
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        if plan.optimizer_offload or not context.can_offload or not context.optimizer_offloadable:
+        if not context.can_offload or not context.optimizer_offloadable:
             return None
-        return plan.replace(optimizer_offload=True)
+        if not plan.optimizer_offload:
+            return plan.replace(optimizer_offload=True)
+        if plan.optimizer_offload is True and plan.precision == "bf16" and not plan.offload_layers:
+            return None if context.distributed else plan.replace(optimizer_offload="master")
+        return None
 
 
 @dataclass(frozen=True)
@@ -244,7 +255,10 @@ class LayerOffload(Rung):
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
         if plan.offload_layers >= context.num_blocks or not context.can_offload:
             return None
-        return plan.replace(offload_layers=min(context.num_blocks, max(1, 2 * plan.offload_layers)))
+        layers = min(context.num_blocks, max(1, 2 * plan.offload_layers))
+        if plan.optimizer_offload == "master":  # (offloaded blocks keep fp32 weights: master weights end)
+            return plan.replace(offload_layers=layers, optimizer_offload=True)
+        return plan.replace(offload_layers=layers)
 
     def relax(self, plan: Plan, batch_size: int) -> Plan | None:
         """Half as many blocks offloaded (4 -> 2 -> 1 -> 0), as escalation doubled them."""

@@ -9,10 +9,11 @@ memory.
 
 It walks the guard's ladder from the plain step: a plan that does not fit is followed by the plan the guard
 would try next after an OOM in the same phase, with micro-batch sizes predicted from the peaks measured so
-far, until one fits, then looks for the largest micro-batch that still fits in that configuration. Of the
-fitting plans measured, the one the device model (:mod:`oomguard._planner.speed`) predicts fastest is the
-recommendation. Each measured step runs after a warm-up step, so the optimizer state is resident as in any step
-but the first.
+far, until one fits, then looks for the largest micro-batch that still fits in that configuration. Where that
+ends on offloaded layers it walks again from bf16 weights with fp32 masters on the host (see
+:func:`_master_weights_instead`). Of the fitting plans measured, the one the device model
+(:mod:`oomguard._planner.speed`) predicts fastest is the recommendation. Each measured step runs after a
+warm-up step, so the optimizer state is resident as in any step but the first.
 """
 
 from __future__ import annotations
@@ -149,6 +150,9 @@ def dry_run(
                 search(configs, size, options.rungs.min_micro_batch(size), lambda plan: bench.measure(plan)[0].fits)
             elif not plans:
                 _walk(bench, options.rungs, context)
+                master = _master_weights_instead(bench.candidates, options.rungs, context)
+                if master is not None:
+                    _walk(bench, options.rungs, context, start=master)
     finally:
         runner.effects.close()
     candidates = bench.candidates
@@ -213,13 +217,13 @@ class _Bench:
         return sum(p.numel() for block in blocks for p in block.parameters() if p.requires_grad)
 
 
-def _walk(bench: _Bench, ladder: Ladder, context: RungContext) -> None:
-    """Down the ladder from the plain plan, as the guard would go after an OOM in the same phase, until a plan
-    fits; then the largest micro-batch that fits in its configuration."""
+def _walk(bench: _Bench, ladder: Ladder, context: RungContext, start: Plan | None = None) -> None:
+    """Down the ladder from ``start`` (the plain plan), as the guard would go after an OOM in the same phase,
+    until a plan fits; then the largest micro-batch that fits in its configuration."""
     size, grad_bytes = bench.size, bench.runner.grad_bytes
     peaks = PeakModel(margin=0.0)  # the measurements are exact: no safety margin on top of the overhead
     per_sample = items_per_sample(bench.batch, size)
-    plan: Plan | None = Plan()
+    plan: Plan | None = start or Plan()
     while plan is not None and plan not in {c.plan for c in bench.candidates}:
         measured, base = bench.measure(plan)
         if measured.fits:
@@ -231,6 +235,24 @@ def _walk(bench: _Bench, ladder: Ladder, context: RungContext) -> None:
         phase = measured.phase or Phase.FORWARD
         step = ladder.next(plan, dataclasses.replace(context, phase=phase, max_micro_batch=sized))
         plan = step[1] if step is not None else None
+
+
+def _master_weights_instead(tried: list[Candidate], ladder: Ladder, context: RungContext) -> Plan | None:
+    """Where the walk ended on offloaded layers: the same plan with bf16 weights on the device and fp32 masters
+    on the host instead (optimizer_offload's second level), to walk on from; None where the ladder cannot.
+
+    The walk from the plain plan meets layer offload before mixed precision (resident state is not what amp
+    relieves), and the master level needs amp; yet it halves the weights on the device and moves a fraction of
+    what streaming layers moves.
+    """
+    fitting = next((c.plan for c in reversed(tried) if c.fits), None)
+    names = ladder.names
+    usable = "optimizer_offload" in names and ("amp" in names or (fitting and fitting.precision == "bf16"))
+    if fitting is None or not fitting.offload_layers or not usable or not context.bf16_supported:
+        return None
+    if not (context.can_offload and context.optimizer_offloadable and context.amp_available):
+        return None
+    return fitting.replace(offload_layers=0, optimizer_offload="master", precision="bf16")
 
 
 def _grow(fitting: Plan, size: int, tried: list[Candidate], measure: Callable[[Plan], Any]) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -43,12 +43,13 @@ def preplan(
     purpose: str = "preplan",
     search_around: Plan | None = None,
     speed: DeviceSpeed | None = None,
+    plans: Sequence[Plan] | None = None,
 ) -> PlanReport | None:
     """The planner's answer for a guard's step on this device, or None (logged) where it cannot tell.
 
     ``purpose`` names the caller in the log lines: ``"preplan"`` (before the first step), ``"jump"`` (after the
     first OOM of a batch bucket) or ``"tuning"`` (which passes ``search_around``, the plan a bucket settled on,
-    and the ``speed`` of the device measured).
+    and the ``speed`` of the device measured). ``plans`` measures just those (a benchmark's).
     """
     if distributed:  # the planner's steps would not take part in the process group's agreements
         logger.info("%s: not supported under torch.distributed yet", purpose)
@@ -67,7 +68,7 @@ def preplan(
             report = dry_run(
                 step_fn, fake_batch, model=model, optimizer=fake_optimizer, capacity=capacity, target=target,
                 label=type(model).__name__, ladder=options.rungs.rungs, max_grad_norm=options.max_grad_norm,
-                bf16=bf16, search_around=search_around, speed=speed,
+                bf16=bf16, search_around=search_around, speed=speed, plans=plans,
             )  # fmt: skip
     except Exception as error:  # a step the planner cannot run on fake tensors (one that reads values, say)
         logger.warning(
@@ -78,7 +79,7 @@ def preplan(
             error,
         )
         return None
-    if search_around is not None:
+    if search_around is not None or plans is not None:
         return report
     if report.recommended is None:
         logger.warning("%s: no plan on the ladder fits %s", purpose, format_bytes(capacity))
