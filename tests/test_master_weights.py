@@ -128,3 +128,28 @@ def test_the_master_level_is_offered_only_where_it_can_run() -> None:
     assert Plan.from_dict(MASTER.to_dict()) == MASTER and "fp32 master weights" in MASTER.describe(8)
     with pytest.raises(ValueError, match="'master'"):
         Plan(optimizer_offload="weights")  # type: ignore[arg-type]
+
+
+def test_state_dict_and_load_state_dict_see_the_fp32_masters() -> None:
+    """A checkpoint saved while the weights are halved is exact, one loaded is written exactly, and a parameter
+    written in place on the device some other way becomes its master's value at the next step."""
+    model, guard, _, _ = trained(MASTER)
+    effect = guard.effects._optimizer
+    saved = model.state_dict()
+    assert all(v.dtype == torch.float32 for v in saved.values())
+    for name, param in model.named_parameters():
+        assert torch.equal(saved[name], effect._masters[param]) and param.dtype == torch.bfloat16
+    fresh = make_llama(seed=7, layers=2, hidden=64).state_dict()
+    model.load_state_dict(fresh)
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        first = next(model.parameters())
+        with torch.no_grad():
+            first.fill_(0.5)  # (written on the device, bypassing the state_dict)
+        guard(BATCHES[0])
+        assert (effect._masters[first] - 0.5).abs().max() < 0.01, "the write reached its master"
+        guard.close()
+    for name, param in list(model.named_parameters())[1:]:
+        assert (param - fresh[name]).abs().max() < 0.01, "trained one step from the loaded weights"
+    model.load_state_dict(fresh)  # no longer halved: the hooks are gone, an ordinary load
+    assert all(torch.equal(p, fresh[n]) for n, p in model.named_parameters())
