@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import ladder
+
 from oomguard._backends.units import format_bytes
 
 __all__ = ["RESULT_COLUMNS", "markdown", "results_table"]
@@ -46,7 +48,8 @@ whose budget is calibrated for each scenario from peaks the dry-run planner meas
   fail when micro-batch size 1 runs out of memory. Like Composer it does not repair optimizer state that an OOM
   inside `optimizer.step()` left half-built.
 - **oomguard**: `oom_guard(model=..., optimizer=...)` with its default ladder (micro_batch, amp,
-  checkpointing, activation_offload, layer_offload), and the same with `preplan=True`.
+  checkpointing, activation_offload, optimizer_offload, layer_offload) and options (the jump on a first OOM;
+  tuning after 4 clean steps on a fallback plan), and the same with `preplan=True`.
 - **reference**: a hand-written step with no budget (a 1 TiB SimulatedGPU, so its step time carries the same
   simulator overhead).
 
@@ -229,6 +232,10 @@ def markdown(results: dict[str, Any]) -> str:
         "## Happy-path overhead (`benchmarks/overhead.py`)",
         "",
         _overhead(results),
+        "",
+        "## The plan the guard runs on against the fastest plan that fits (`benchmarks/ladder.py`)",
+        "",
+        ladder.render(results["ladder"]) if results.get("ladder") else "Not run with `--quick`.",
         "",
         "## Largest Llama-style model that trains under a 6 GiB budget",
         "",

@@ -27,6 +27,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import ladder
 import torch
 from _contenders import CONTENDERS, RunRecord, run_reference
 from _largest import FAMILY, QUICK_FAMILY, largest_models
@@ -34,6 +35,7 @@ from _scenarios import Scenario, build_scenario, specs
 from _tables import markdown
 from overhead import measure
 
+from oomguard._backends.units import parse_bytes
 from oomguard._cli.demo import DemoConfig
 
 HERE = Path(__file__).resolve().parent
@@ -124,6 +126,8 @@ def run_all(quick: bool, threads: int, skip_largest: bool = False, log: Any = sy
         gc.unfreeze()
     print("happy-path overhead...", file=log, flush=True)
     results["overhead"] = _overhead(quick)
+    print("every fitting plan against the one the guard runs on (ladder.py)...", file=log, flush=True)
+    results["ladder"] = None if quick else ladder.run(parse_bytes("24MiB"), steps=20, rounds=4)
     print("largest model under 6 GiB (dry-run planner)...", file=log, flush=True)
     results["largest"] = {} if skip_largest else largest_models(QUICK_FAMILY if quick else FAMILY)
     results["meta"]["seconds"] = time.perf_counter() - started

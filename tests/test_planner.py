@@ -203,5 +203,11 @@ def test_device_overhead_is_counted_when_deciding_what_fits() -> None:
 
 @pytest.mark.slow
 def test_tinyllama_at_8_x_1024_is_planned_within_two_minutes() -> None:
+    """Issue 16's done-when: it fits moving at most a quarter of the 67.4 GiB the layer-streaming plan moved
+    per step, and the recommendation is the fitting candidate predicted fastest."""
     report = plan("tinyllama-1.1b", gpu_memory="6GiB", batch_size=8, seq_len=1024)
     assert report.seconds < 120 and report.fits
+    assert report.to_dict()["transfer_bytes_per_step"] <= 67.4 * 2**30 / 4
+    fitting = [c for c in report.candidates if c.fits]
+    assert report.recommended == min(fitting, key=lambda c: c.predicted_seconds).plan
+    assert report.recommended is not None and report.recommended.optimizer_offload == "master"
