@@ -48,6 +48,7 @@ from oomguard._ladder.rungs import (
     LayerOffload,
     MicroBatch,
     OptimizerOffload,
+    QuantizedOptimizer,
     Rung,
     RungContext,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "Plan",
     "PlanReport",
     "ProgressEvent",
+    "QuantizedOptimizer",
     "RecoveredEvent",
     "RecoveryLimitExceeded",
     "RelaxEvent",

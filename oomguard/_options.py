@@ -25,6 +25,7 @@ from oomguard._effects.blocks import find_blocks
 from oomguard._effects.checkpointing import user_checkpointing
 from oomguard._effects.effects import Effects
 from oomguard._effects.optimizer import can_step_on_host
+from oomguard._effects.quantized import can_quantize
 from oomguard._effects.transaction import JournalMode, OptimizerTransaction, Scheduler
 from oomguard._errors import GuardConfigError
 from oomguard._events import EventSink
@@ -208,4 +209,5 @@ def model_context(runner: StepRunner) -> RungContext:
         checkpointed=user_checkpointing(target.model),
         amp_available=accelerator is None or getattr(accelerator, "mixed_precision", "no") == "no",
         optimizer_offloadable=can_step_on_host(target.optimizer),
+        optimizer_quantizable=can_quantize(target.optimizer),
     )

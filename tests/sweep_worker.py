@@ -59,6 +59,7 @@ def rung_configs(blocks: int) -> dict[str, Plan]:
         "activation offload": Plan(activation_offload=True),
         "optimizer offload": Plan(optimizer_offload=True),
         "optimizer offload, master weights": Plan(precision="bf16", optimizer_offload="master"),
+        "quantized optimizer": Plan(quantized_optimizer=True),
         "layer offload": Plan(offload_layers=blocks - 1),
         "every rung": Plan(
             micro_batch_size=2,
@@ -438,9 +439,10 @@ def problems(
         found.append(f"the successful attempt saw samples {sorted(final)}, not {sorted(sample_ids)}")
     found += [f"vs fault-free on {result.plan.describe()}: {d}" for d in differences(outcome.after, same_plan.after)]
     plan = intended.result.plan
-    # A recovery into amp, or into or out of bf16 master weights, changes the maths by design.
+    # A recovery into amp, into or out of bf16 master weights or 8-bit optimizer state, changes the maths by design.
     masters = (result.plan.optimizer_offload == "master", plan.optimizer_offload == "master")
     same_maths = result.plan.precision == plan.precision and masters[0] == masters[1]
+    same_maths = same_maths and result.plan.quantized_optimizer == plan.quantized_optimizer
     split_differently = result.micro_batch_size != intended.result.micro_batch_size
     # In half precision every micro-batch's products round on their own: only the same-plan comparison is exact.
     if same_maths and not (split_differently and plan.precision is not None):
@@ -460,9 +462,10 @@ def problems(
     for event in outcome.ooms:
         freed = event.memory_after_recovery.allocated
         # Layer offload moves weights to the host as the plan is applied, optimizer offload the optimizer's state
-        # (the step counters Adam made since, too): less in use is then expected.
+        # (the step counters Adam made since, too), 8-bit state shrinks it: less in use is then expected.
         offloading = event.plan["offload_layers"] > 0 or plan.offload_layers > 0
         offloading = offloading or event.plan["optimizer_offload"] or plan.optimizer_offload
+        offloading = offloading or event.plan["quantized_optimizer"] or plan.quantized_optimizer
         if freed > outcome.memory_before or (not offloading and freed != outcome.memory_before):
             found.append(f"{freed - outcome.memory_before:+d} bytes in use after recovering from {event.error.phase}")
     return found

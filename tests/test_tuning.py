@@ -62,7 +62,9 @@ def test_a_settled_fp32_job_runs_on_the_fastest_plan_measured_and_stays_exact(tm
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     steps: list[int] = []
     optimizer.register_step_post_hook(lambda *_: steps.append(1))
-    guard = OOMGuard(lambda b: model(**b), model=model, optimizer=optimizer, log_file=log, tune_after=2)
+    plans = tmp_path / "plans.json"
+    guard = OOMGuard(lambda b: model(**b), model=model, optimizer=optimizer, log_file=log, tune_after=2,
+                     state_file=plans)  # fmt: skip
     with SimulatedGPU(budget) as gpu:
         gpu.adopt(model)
         results = [guard(batch) for batch in batches]
@@ -82,6 +84,13 @@ def test_a_settled_fp32_job_runs_on_the_fastest_plan_measured_and_stays_exact(tm
     logged = [json.loads(line) for line in log.read_text().splitlines()]
     assert [e["event"] for e in logged].count("tuned") == 1
     assert main(["report", str(log)]) == 0
+    restarted = OOMGuard(lambda b: model(**b), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                         tune_after=2, state_file=plans)  # fmt: skip
+    with SimulatedGPU(budget) as gpu:
+        gpu.adopt(model)
+        again = [restarted(batch) for batch in batches[:5]]
+    assert {r.plan for r in again} == {guard.plan} and not any(r.ooms for r in again), "the tuned plan, remembered"
+    assert not [e for e in restarted.events if isinstance(e, TunedEvent)], "and not tuned again"
 
 
 def test_a_trial_that_runs_out_of_memory_is_dropped_and_its_step_retried_on_the_settled_plan() -> None:

@@ -24,6 +24,7 @@ from oomguard._effects.checkpointing import CheckpointingEffect
 from oomguard._effects.layers import LayerOffloadEffect
 from oomguard._effects.optimizer import OptimizerOffloadEffect
 from oomguard._effects.precision import AutocastEffect
+from oomguard._effects.quantized import QuantizedOptimizerEffect
 from oomguard._errors import GuardConfigError
 from oomguard._events import logger
 from oomguard._ladder.plan import Plan
@@ -54,6 +55,7 @@ class Effects:
             self._layers,
             ActivationOffloadEffect(target),
             self._optimizer,  # after layer offload: it moves back the state of restored layers
+            QuantizedOptimizerEffect(target),
         ]
         for rung in rungs:
             make = rung.effect()

@@ -73,6 +73,7 @@ class Plan:
             keeps the fp32 master weights on the host and only a bf16 copy of them on the device.
         offload_layers: how many repeated blocks keep their parameters, gradients and optimizer state in host
             memory, streamed to the device only while in use.
+        quantized_optimizer: keep Adam's moments in block-wise 8-bit storage on the device.
         extras: the levels of rungs that are not built in, by rung name (see :class:`oomguard.Rung`); empty
             unless such a rung is engaged.
 
@@ -96,6 +97,7 @@ class Plan:
         },
     )
     offload_layers: int = field(default=0, metadata=_owned_by("layer_offload", "{} layer(s) offloaded"))
+    quantized_optimizer: bool = field(default=False, metadata=_owned_by("quantized_optimizer", "8-bit optimizer state"))
     extras: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
@@ -106,8 +108,9 @@ class Plan:
             raise ValueError(f"Plan.precision must be None, 'bf16' or 'fp16', got {self.precision!r}")
         if self.checkpointing not in (None, "partial", "full"):
             raise ValueError(f"Plan.checkpointing must be None, 'partial' or 'full', got {self.checkpointing!r}")
-        if not isinstance(self.activation_offload, bool):
-            raise ValueError(f"Plan.activation_offload must be True or False, got {self.activation_offload!r}")
+        for name in ("activation_offload", "quantized_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Plan.{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.optimizer_offload, bool) and self.optimizer_offload != "master":
             raise ValueError(f"Plan.optimizer_offload must be True, False or 'master', got {self.optimizer_offload!r}")
         if isinstance(self.offload_layers, bool) or not isinstance(self.offload_layers, int) or self.offload_layers < 0:
@@ -194,5 +197,5 @@ def _phrase(field_: dataclasses.Field[Any], value: Any) -> str:
 
 
 _RUNG_FIELDS = tuple(f for f in dataclasses.fields(Plan) if "rung" in f.metadata)
-#: The built-in rungs, in the order of their fields: the canonical order, cheapest effect on the maths first.
+#: The built-in rungs, in the order of their fields (the canonical order).
 BUILTIN_RUNGS: tuple[str, ...] = ("micro_batch", *(f.metadata["rung"] for f in _RUNG_FIELDS))

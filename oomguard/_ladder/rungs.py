@@ -21,6 +21,7 @@ __all__ = [
     "LayerOffload",
     "MicroBatch",
     "OptimizerOffload",
+    "QuantizedOptimizer",
     "Rung",
     "RungContext",
 ]
@@ -49,6 +50,8 @@ class RungContext:
     optimizer_offloadable: bool = True
     #: Whether the ranks of a torch.distributed job train together (DDP's buckets fix the parameters' dtype).
     distributed: bool = False
+    #: Whether the optimizer's state can be kept in 8 bits (torch's Adam and AdamW).
+    optimizer_quantizable: bool = True
 
 
 class Rung:
@@ -233,10 +236,30 @@ class OptimizerOffload(_OneField):
         if not context.can_offload or not context.optimizer_offloadable:
             return None
         if not plan.optimizer_offload:
-            return plan.replace(optimizer_offload=True)
+            return plan.replace(optimizer_offload=True, quantized_optimizer=False)  # (state on the host: in fp32)
         if plan.optimizer_offload is True and plan.precision == "bf16" and not plan.offload_layers:
             return None if context.distributed else plan.replace(optimizer_offload="master")
         return None
+
+
+@dataclass(frozen=True)
+class QuantizedOptimizer(_OneField):
+    """Keep Adam's moments in block-wise 8-bit storage on the device (2 bytes of state per parameter instead of
+    8); the optimizer runs its own algorithm on them, dequantized a few parameters at a time. Changes the maths
+    like ``amp``: each moment keeps about 3 significant bits. Only for torch's Adam and AdamW; offloading the
+    optimizer's state supersedes it (those rungs end it)."""
+
+    name: str = "quantized_optimizer"
+    relieves: frozenset[Phase] = EVERY_PHASE  # the state is resident in every phase
+
+    _FIELD = "quantized_optimizer"
+    _LEVELS = (False, True)
+
+    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
+        offloaded = plan.optimizer_offload or plan.offload_layers
+        if plan.quantized_optimizer or offloaded or not context.optimizer_quantizable:
+            return None
+        return plan.replace(quantized_optimizer=True)
 
 
 @dataclass(frozen=True)
@@ -256,9 +279,9 @@ class LayerOffload(Rung):
         if plan.offload_layers >= context.num_blocks or not context.can_offload:
             return None
         layers = min(context.num_blocks, max(1, 2 * plan.offload_layers))
-        if plan.optimizer_offload == "master":  # (offloaded blocks keep fp32 weights: master weights end)
-            return plan.replace(offload_layers=layers, optimizer_offload=True)
-        return plan.replace(offload_layers=layers)
+        # (offloaded blocks keep fp32 weights and fp32 state on the host: master weights and 8-bit state end)
+        offload = True if plan.optimizer_offload == "master" else plan.optimizer_offload
+        return plan.replace(offload_layers=layers, optimizer_offload=offload, quantized_optimizer=False)
 
     def relax(self, plan: Plan, batch_size: int) -> Plan | None:
         """Half as many blocks offloaded (4 -> 2 -> 1 -> 0), as escalation doubled them."""
