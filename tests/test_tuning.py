@@ -62,9 +62,9 @@ def test_a_settled_fp32_job_runs_on_the_fastest_plan_measured_and_stays_exact(tm
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     steps: list[int] = []
     optimizer.register_step_post_hook(lambda *_: steps.append(1))
-    plans = tmp_path / "plans.json"
+    remembered = tmp_path / "plans.json"
     guard = OOMGuard(lambda b: model(**b), model=model, optimizer=optimizer, log_file=log, tune_after=2,
-                     state_file=plans)  # fmt: skip
+                     state_file=remembered)  # fmt: skip
     with SimulatedGPU(budget) as gpu:
         gpu.adopt(model)
         results = [guard(batch) for batch in batches]
@@ -85,7 +85,7 @@ def test_a_settled_fp32_job_runs_on_the_fastest_plan_measured_and_stays_exact(tm
     assert [e["event"] for e in logged].count("tuned") == 1
     assert main(["report", str(log)]) == 0
     restarted = OOMGuard(lambda b: model(**b), model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                         tune_after=2, state_file=plans)  # fmt: skip
+                         tune_after=2, state_file=remembered)  # fmt: skip
     with SimulatedGPU(budget) as gpu:
         gpu.adopt(model)
         again = [restarted(batch) for batch in batches[:5]]
