@@ -49,6 +49,7 @@ from oomguard._ladder.rungs import (
     MicroBatch,
     OptimizerOffload,
     QuantizedOptimizer,
+    QuantizedWeights,
     Rung,
     RungContext,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "PlanReport",
     "ProgressEvent",
     "QuantizedOptimizer",
+    "QuantizedWeights",
     "RecoveredEvent",
     "RecoveryLimitExceeded",
     "RelaxEvent",

@@ -27,6 +27,7 @@ from oomguard._effects.effects import Effects
 from oomguard._effects.optimizer import can_step_on_host
 from oomguard._effects.quantized import can_quantize
 from oomguard._effects.transaction import JournalMode, OptimizerTransaction, Scheduler
+from oomguard._effects.weights import frozen_linears
 from oomguard._errors import GuardConfigError
 from oomguard._events import EventSink
 from oomguard._ladder.ladder import Ladder, resolve_ladder
@@ -210,4 +211,5 @@ def model_context(runner: StepRunner) -> RungContext:
         amp_available=accelerator is None or getattr(accelerator, "mixed_precision", "no") == "no",
         optimizer_offloadable=can_step_on_host(target.optimizer),
         optimizer_quantizable=can_quantize(target.optimizer),
+        frozen_linears=bool(frozen_linears(target.model)),
     )

@@ -134,7 +134,7 @@ def test_state_dict_and_load_state_dict_see_the_fp32_masters() -> None:
     """A checkpoint saved while the weights are halved is exact, one loaded is written exactly, and a parameter
     written in place on the device some other way becomes its master's value at the next step."""
     model, guard, _, _ = trained(MASTER)
-    effect = guard.effects._optimizer
+    effect = next(e for e in guard.effects._effects if type(e).__name__ == "OptimizerOffloadEffect")
     saved = model.state_dict()
     assert all(v.dtype == torch.float32 for v in saved.values())
     for name, param in model.named_parameters():

@@ -65,6 +65,12 @@ class Effect:
     def check(self, plan: Plan) -> None:
         """Raise :class:`~oomguard.GuardConfigError` if ``plan`` cannot be applied, before any effect changes."""
 
+    def before_apply(self, plan: Plan, backend: MemoryBackend) -> bool:
+        """Undo, before any effect applies ``plan``, what another effect's apply must not find (layer offload
+        takes blocks to the host whole: bf16 master weights and 8-bit frozen weights end first); True if it
+        changed anything."""
+        return False
+
     def apply(self, plan: Plan, backend: MemoryBackend) -> bool:
         """Bring persistent state to what ``plan`` asks for; True if anything changed."""
         return False

@@ -25,6 +25,7 @@ from oomguard._effects.layers import LayerOffloadEffect
 from oomguard._effects.optimizer import OptimizerOffloadEffect
 from oomguard._effects.precision import AutocastEffect
 from oomguard._effects.quantized import QuantizedOptimizerEffect
+from oomguard._effects.weights import QuantizedWeightsEffect
 from oomguard._errors import GuardConfigError
 from oomguard._events import logger
 from oomguard._ladder.plan import Plan
@@ -46,7 +47,6 @@ class Effects:
         _refuse_if_held(target.model, self)
         self.target = target
         self._layers = LayerOffloadEffect(target)
-        self._optimizer = OptimizerOffloadEffect(target)
         # Layer offload before activation offload: its saved-tensor hook must see the copies of streamed weights
         # before activation offload would move them to the host. Undone in the reverse order.
         self._effects: list[Effect] = [
@@ -54,8 +54,9 @@ class Effects:
             CheckpointingEffect(target),
             self._layers,
             ActivationOffloadEffect(target),
-            self._optimizer,  # after layer offload: it moves back the state of restored layers
+            OptimizerOffloadEffect(target),  # after layer offload: it moves back the state of restored layers
             QuantizedOptimizerEffect(target),
+            QuantizedWeightsEffect(target),
         ]
         for rung in rungs:
             make = rung.effect()
@@ -74,9 +75,7 @@ class Effects:
             effect.check(plan)
         _refuse_if_held(self.target.model, self)
         try:
-            # fp32 weights back on the device before layer offload takes any block to the host (optimizer_offload's
-            # master level ends where a plan offloads layers)
-            changed = [self._optimizer.end_master_weights(plan, backend)]
+            changed = [effect.before_apply(plan, backend) for effect in self._effects]
             changed += [effect.apply(plan, backend) for effect in self._effects]  # every one, in order
         finally:
             self._hold_while_changed()

@@ -83,9 +83,8 @@ class OptimizerOffloadEffect(Effect):
             backend.synchronize()  # the host copies are complete before the device memory is reused
         return moved
 
-    def end_master_weights(self, plan: Plan, backend: MemoryBackend) -> bool:
-        """Where ``plan`` keeps no master weights on the host and some are: each back on the device, in fp32; True
-        if any was. (Called before any effect applies ``plan``: layer offload must find fp32 weights.)"""
+    def before_apply(self, plan: Plan, backend: MemoryBackend) -> bool:
+        """Where ``plan`` keeps no master weights on the host and some are: each back on the device, in fp32."""
         if not self._masters or _master(plan):
             return False
         self._restore_weights(backend)

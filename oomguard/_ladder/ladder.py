@@ -25,6 +25,7 @@ from oomguard._ladder.rungs import (
     MicroBatch,
     OptimizerOffload,
     QuantizedOptimizer,
+    QuantizedWeights,
     Rung,
     RungContext,
 )
@@ -35,12 +36,13 @@ _BUILTIN: dict[str, type[Rung]] = {
     rung.name: type(rung)
     for rung in (
         MicroBatch(), Amp(), Checkpointing(), ActivationOffload(), OptimizerOffload(), LayerOffload(),
-        QuantizedOptimizer(),
+        QuantizedOptimizer(), QuantizedWeights(),
     )
 }  # fmt: skip
-#: The default order, cheapest effect on the training maths first. ``quantized_optimizer`` is not in it yet: it
-#: changes the maths, and where it should stand against the exact offload rungs is still to be measured on GPUs.
-DEFAULT_LADDER: tuple[str, ...] = tuple(name for name in BUILTIN_RUNGS if name != "quantized_optimizer")
+#: The default order, cheapest effect on the training maths first. The quantization rungs are not in it yet:
+#: they change the maths, and where they should stand against the exact offload rungs is to be measured on GPUs.
+QUANTIZATION_RUNGS = ("quantized_optimizer", "quantized_weights")
+DEFAULT_LADDER: tuple[str, ...] = tuple(name for name in BUILTIN_RUNGS if name not in QUANTIZATION_RUNGS)
 
 
 class Ladder:

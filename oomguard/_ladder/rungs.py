@@ -22,6 +22,7 @@ __all__ = [
     "MicroBatch",
     "OptimizerOffload",
     "QuantizedOptimizer",
+    "QuantizedWeights",
     "Rung",
     "RungContext",
 ]
@@ -52,6 +53,8 @@ class RungContext:
     distributed: bool = False
     #: Whether the optimizer's state can be kept in 8 bits (torch's Adam and AdamW).
     optimizer_quantizable: bool = True
+    #: Whether the model has frozen linear weights the quantized_weights rung can keep in 8 bits.
+    frozen_linears: bool = False
 
 
 class Rung:
@@ -263,6 +266,24 @@ class QuantizedOptimizer(_OneField):
 
 
 @dataclass(frozen=True)
+class QuantizedWeights(_OneField):
+    """Keep frozen ``nn.Linear`` weights (a LoRA job's base model) in 8 bits on the device, per output channel,
+    and their exact originals on the host; trainable parameters are never quantized. Changes the maths like
+    ``amp``. Inapplicable to a model with no frozen linear weight; layer offload ends it."""
+
+    name: str = "quantized_weights"
+    relieves: frozenset[Phase] = EVERY_PHASE  # the weights are resident in every phase
+
+    _FIELD = "quantized_weights"
+    _LEVELS = (False, True)
+
+    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
+        if plan.quantized_weights or plan.offload_layers or not context.frozen_linears:
+            return None
+        return plan.replace(quantized_weights=True)
+
+
+@dataclass(frozen=True)
 class LayerOffload(Rung):
     """Keep the parameters, gradients and optimizer state of 1, 2, 4 ... blocks (up to all) in host memory."""
 
@@ -279,9 +300,11 @@ class LayerOffload(Rung):
         if plan.offload_layers >= context.num_blocks or not context.can_offload:
             return None
         layers = min(context.num_blocks, max(1, 2 * plan.offload_layers))
-        # (offloaded blocks keep fp32 weights and fp32 state on the host: master weights and 8-bit state end)
+        # (offloaded blocks keep fp32 weights and state on the host: master weights and 8-bit storage end)
         offload = True if plan.optimizer_offload == "master" else plan.optimizer_offload
-        return plan.replace(offload_layers=layers, optimizer_offload=offload, quantized_optimizer=False)
+        return plan.replace(
+            offload_layers=layers, optimizer_offload=offload, quantized_optimizer=False, quantized_weights=False
+        )
 
     def relax(self, plan: Plan, batch_size: int) -> Plan | None:
         """Half as many blocks offloaded (4 -> 2 -> 1 -> 0), as escalation doubled them."""

@@ -138,8 +138,8 @@ def dry_run(
     options = GuardOptions(model=model, optimizer=optimizer, ladder=ladder, max_grad_norm=max_grad_norm)
     runner = build_runner(step_fn, options, item_counter=batch_size)  # fake tensors hold no labels to count
     bench = _Bench(runner, batch, size, capacity, target, speed or DeviceSpeed())
-    try:
-        with bench.probe, unpadded_masks():
+    with bench.probe, unpadded_masks():  # (the effects are undone inside: on the probe, not the caller's device)
+        try:
             bench.probe.adopt(model, _tensors(batch))
             bench.run(split_batch(batch, 1)[0], Plan())  # a one-sample warm-up creates the optimizer state
             context = dataclasses.replace(model_context(runner), batch_size=size)
@@ -153,8 +153,8 @@ def dry_run(
                 master = _master_weights_instead(bench.candidates, options.rungs, context)
                 if master is not None:
                     _walk(bench, options.rungs, context, start=master)
-    finally:
-        runner.effects.close()
+        finally:
+            runner.effects.close()
     candidates = bench.candidates
     if not bf16:  # measured in bf16 (fp16's GradScaler reads values fake tensors do not have); fp16 autocast
         candidates = [dataclasses.replace(c, plan=_fp16(c.plan)) for c in candidates]  # keeps the same sizes

@@ -1,0 +1,123 @@
+"""The quantized_weights rung: a PEFT LoRA Llama's frozen base weights in 8 bits on the device, the exact
+originals on the host. Issue 17's second done-when, and what users meet: checkpoints, undo, models with nothing
+frozen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_llama
+from test_planner import lm_batch, model_step
+
+from oomguard import LayerOffload, OOMGuard, Plan, QuantizedWeights, RungContext
+from oomguard._effects.weights import frozen_linears
+from oomguard.testing import SimulatedGPU
+
+peft = pytest.importorskip("peft")
+
+BATCHES = [lm_batch(2, 16) for _ in range(3)]
+QUANTIZED = Plan(quantized_weights=True)
+
+
+def lora_llama() -> torch.nn.Module:
+    """A Llama (hidden 128: its frozen weights dominate) with LoRA adapters on every projection."""
+    model = make_llama(layers=2, hidden=128)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM",
+                             lora_dropout=0.0)  # fmt: skip
+    torch.manual_seed(3)
+    lora = peft.get_peft_model(model, config)
+    for name, param in lora.named_parameters():  # adapters that start moving at once (B starts at zero)
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    return lora
+
+
+Trained = tuple[torch.nn.Module, OOMGuard, list[int], int]
+
+
+def run(plan: Plan | None, budget: int | str = "1GiB", ladder: list[str] | None = None) -> Trained:
+    model = lora_llama()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=0.05, momentum=0.9)  # (why not Adam: see the first test)
+    guard = OOMGuard(model_step(model), model=model, optimizer=optimizer,
+                     ladder=[] if ladder is None else ladder, tune_after=None)  # fmt: skip
+    if plan is not None:
+        guard.plan = plan
+    with SimulatedGPU(budget) as gpu:
+        gpu.adopt(model)
+        ooms = []
+        for batch in BATCHES:
+            gpu.reset_peak_memory_stats()
+            ooms.append(guard(batch).ooms)
+        peak = gpu.max_memory_allocated()
+    return model, guard, ooms, peak
+
+
+def adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def test_frozen_weights_that_fit_only_in_8_bits_train_the_adapters_within_10_percent() -> None:
+    """With SGD the adapters' update is the gradient's, so the comparison measures what quantizing the frozen
+    weights does to it. (Adam's first steps move each element by about the learning rate whatever its gradient's
+    size: an element whose tiny gradient changes sign under any perturbation of the forward, bf16 autocast's
+    included, moves twice the largest change the other way, which no 10 % bound on the largest difference
+    survives.)"""
+    *_, plain_peak = run(Plan())
+    *_, quantized_peak = run(QUANTIZED)
+    assert quantized_peak < plain_peak
+    start = adapters(lora_llama())
+    reference, *_ = run(Plan())
+    model, guard, ooms, _ = run(None, budget=(plain_peak + quantized_peak) // 2, ladder=["quantized_weights"])
+    assert ooms == [1, 0, 0] and guard.plan == QUANTIZED
+    expected, got = adapters(reference), adapters(model)
+    change = max((expected[n] - start[n]).abs().max().item() for n in start)
+    error = max((got[n] - expected[n]).abs().max().item() for n in start)
+    assert 0 < error <= 0.10 * change, f"adapter update error {error / change:.1%} of the largest change"
+    originals = {n: p.detach().clone() for n, p in lora_llama().named_parameters() if not p.requires_grad}
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard.close()
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen.keys() == originals.keys() and all(torch.equal(frozen[n], originals[n]) for n in frozen)
+
+
+def test_a_checkpoint_saved_while_quantized_holds_the_exact_originals_and_loads_back() -> None:
+    model, guard, _, _ = run(QUANTIZED)
+    quantized = {id(m.weight) for m in frozen_linears(model)}
+    assert quantized, "(the base projections are frozen linear layers)"
+    saved = model.state_dict()
+    originals = lora_llama().state_dict()
+    frozen_keys = [n for n, p in model.named_parameters() if id(p) in quantized]
+    assert all(torch.equal(saved[n], originals[n]) for n in frozen_keys), "the host originals, bit for bit"
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        model.load_state_dict(originals)  # a resume from a checkpoint while the rung is engaged
+        guard(BATCHES[0])  # (the loaded weights are quantized again and train)
+        guard.close()
+    assert all(torch.equal(dict(model.named_parameters())[n], originals[n]) for n in frozen_keys)
+
+
+def test_the_rung_is_skipped_where_nothing_frozen_is_linear() -> None:
+    assert frozen_linears(make_llama(layers=2, hidden=128)) == []
+    assert QuantizedWeights().escalate(Plan(), RungContext(batch_size=2)) is None, "frozen_linears=False"
+    assert QuantizedWeights().escalate(Plan(), RungContext(batch_size=2, frozen_linears=True)) == QUANTIZED
+    deeper = LayerOffload().escalate(QUANTIZED, RungContext(batch_size=2, num_blocks=2, frozen_linears=True))
+    assert deeper == Plan(offload_layers=1), "layer offload takes whole blocks: it ends the rung"
+
+
+def test_the_planner_measures_8_bit_frozen_weights_as_training_does() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from oomguard._planner.engine import dry_run
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = lora_llama()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        report = dry_run(
+            model_step(model), lm_batch(2, 16), model=model, optimizer=torch.optim.AdamW(trainable),
+            capacity=2**40, target="simulated", label="lora", plans=[Plan(), QUANTIZED],
+        )  # fmt: skip
+    plain, quantized = (c.peak_bytes for c in report.candidates)
+    *_, measured = run(QUANTIZED)
+    assert quantized < plain and quantized == pytest.approx(measured, rel=0.05)
