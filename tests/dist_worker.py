@@ -51,8 +51,9 @@ def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2, eps=EPS)
     gpu = SimulatedGPU("4MiB" if rank == 0 else "400KiB")
     step_index = [0]
-    # "offload": one fault, in rank 1's first optimizer step, answered by optimizer_offload on every rank.
-    faults = {0: "optimizer"} if mode == "offload" else FAULTS
+    # "offload" and "quantized": one fault, in rank 1's first optimizer step, answered by optimizer_offload (or
+    # quantized_optimizer) on every rank.
+    faults = {0: "optimizer"} if mode in ("offload", "quantized") else FAULTS
 
     def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
@@ -82,7 +83,9 @@ def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
     # "offload" journals every step too, and answers its one fault with optimizer_offload alone; the others name
     # the ladder without it (their faults are armed in the device step, which optimizer offload takes away).
     journal = "auto" if mode == "fast" else "always"
-    ladder = ["optimizer_offload"] if mode == "offload" else LADDER_WITHOUT_OPTIMIZER_OFFLOAD
+    ladder = {"offload": ["optimizer_offload"], "quantized": ["quantized_optimizer"]}.get(
+        mode, LADDER_WITHOUT_OPTIMIZER_OFFLOAD
+    )
     guard = OOMGuard(
         train_step, model=ddp, optimizer=optimizer, log_file=out / "events.jsonl", step_journal=journal, ladder=ladder
     )

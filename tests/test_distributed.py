@@ -100,6 +100,19 @@ def test_every_rank_offloads_the_optimizer_when_one_rank_runs_out_in_its_step(tm
     assert_replicas_equal_a_single_process_run(tmp_path)
 
 
+def test_every_rank_quantizes_the_optimizer_state_when_one_rank_runs_out_in_its_step(tmp_path: Path) -> None:
+    codes, hung = launch(tmp_path, "quantized", timeout=180)
+    assert not hung and codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+    rank0, rank1 = reports(tmp_path)
+    assert rank1["faults_fired"]["optimizer0"] and not any(rank0["faults_fired"].values())
+    plans = [[s["plan"] for s in report["steps"]] for report in (rank0, rank1)]
+    assert plans[0] == plans[1] and all(plan["quantized_optimizer"] for plan in plans[0]), "the ranks agreed"
+    assert [s["ooms"] for s in rank0["steps"]] == [s["ooms"] for s in rank1["steps"]] == [1, 0, 0, 0, 0]
+    assert rank0["adam_steps"] == rank1["adam_steps"] == [5, 5, 5, 5], "one optimizer step per call, no more"
+    weights = [torch.load(tmp_path / f"weights{rank}.pt") for rank in range(WORLD)]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0]), "the replicas are equal"
+
+
 def assert_replicas_equal_a_single_process_run(out: Path) -> None:
     weights = [torch.load(out / f"weights{rank}.pt") for rank in range(WORLD)]
     for name in weights[0]:

@@ -148,3 +148,19 @@ def test_the_planner_measures_8_bit_state_as_training_does() -> None:
     plain, quantized = (c.peak_bytes for c in report.candidates)
     *_, measured = run(Plan(quantized_optimizer=True))
     assert quantized < plain and quantized == pytest.approx(measured, rel=0.05)
+
+
+def test_oomguard_plan_recommends_8_bit_state_when_its_ladder_has_it(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from oomguard._cli.main import main
+
+    args = ["plan", "--model", "gpt2", "--gpu-memory", "2.5GiB", "--batch-size", "2", "--seq-len", "64", "--json"]
+    assert main([*args, "--ladder", "micro_batch"]) == 1, "fp32 weights, gradients and Adam state do not fit"
+    capsys.readouterr()
+    assert main([*args, "--ladder", "micro_batch,quantized_optimizer"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["fits"] and answer["plan"]["quantized_optimizer"] is True
+    with pytest.raises(SystemExit) as bad:
+        main([*args, "--ladder", "micro_batch,quantize"])
+    assert bad.value.code == 2 and "unknown rung 'quantize'" in capsys.readouterr().err

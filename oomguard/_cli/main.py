@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-bf16", dest="bf16", action="store_false", help="the GPU has no bf16 (before Ampere)")
     plan.add_argument("--gpu-tflops", type=float, default=None, help="half-precision TFLOP/s (default 13)")
     plan.add_argument("--link-gbps", type=float, default=None, help="host<->device GB/s (default 12)")
+    plan.add_argument(
+        "--ladder",
+        default=None,
+        help="the guard's rungs, comma-separated, in order (default: the default ladder; add quantized_optimizer "
+        "or quantized_weights to plan with them)",
+    )
     plan.add_argument("--json", action="store_true", help="print the answer as JSON")
     plan.set_defaults(run=_run_plan)
     return parser
@@ -74,12 +80,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     from oomguard._planner.speed import DeviceSpeed
 
     given = {"gpu_tflops": args.gpu_tflops, "link_gbps": args.link_gbps}
+    ladder = None if args.ladder is None else [name.strip() for name in args.ladder.split(",") if name.strip()]
     try:
         speed = DeviceSpeed(**{name: value for name, value in given.items() if value is not None})
         report = plan(
             args.model, gpu_memory=args.gpu_memory, batch_size=args.batch_size, seq_len=args.seq_len,
             optimizer=args.optimizer, target=args.target, bf16=args.bf16, max_grad_norm=args.max_grad_norm,
-            speed=speed,
+            speed=speed, ladder=ladder,
         )  # fmt: skip
     except ValueError as error:  # bad input: a model, a config.json or an argument the planner cannot use
         _bad_input("plan", error)
