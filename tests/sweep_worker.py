@@ -161,6 +161,22 @@ LLAMA = Workload(
 )
 
 
+def _frozen_llama() -> torch.nn.Module:
+    """The Llama with its attention projections frozen, as a LoRA job's base model is (the rest trains)."""
+    model = make_llama(layers=2, hidden=32)
+    for name, param in model.named_parameters():
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")):
+            param.requires_grad_(False)
+    return model
+
+
+#: For the quantized_weights rung, which needs frozen linear weights.
+FROZEN_LLAMA = Workload(
+    "Llama (2 layers, hidden 32), attention frozen", _frozen_llama, _llama_batch, _llama_loss,
+    lambda batch: batch["ids"], 4, 2,
+)  # fmt: skip
+
+
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     """AdamW over two groups (torch builds Adam's state group by group), foreach (in place, then temporaries)."""
     matrices = [p for p in model.parameters() if p.dim() >= 2]
@@ -352,7 +368,7 @@ def run_step(
         memory_after = gpu.memory_allocated()
         phases = gpu.phases[start:]
         before = gpu.attempt_bases[0]  # under DDP the first call allocates the agreement buffer before it
-    parameters = list(model.parameters())
+    parameters = [p for p in model.parameters() if p.requires_grad]  # (frozen ones have no Adam state)
     adam_steps = [int(s["step"]) for s in optimizer.state.values()]
     grads_left = sum(p.grad is not None for p in parameters)
     after = Snapshot.of(model, optimizer, scheduler, guard)
@@ -443,6 +459,7 @@ def problems(
     masters = (result.plan.optimizer_offload == "master", plan.optimizer_offload == "master")
     same_maths = result.plan.precision == plan.precision and masters[0] == masters[1]
     same_maths = same_maths and result.plan.quantized_optimizer == plan.quantized_optimizer
+    same_maths = same_maths and result.plan.quantized_weights == plan.quantized_weights
     split_differently = result.micro_batch_size != intended.result.micro_batch_size
     # In half precision every micro-batch's products round on their own: only the same-plan comparison is exact.
     if same_maths and not (split_differently and plan.precision is not None):
@@ -462,10 +479,11 @@ def problems(
     for event in outcome.ooms:
         freed = event.memory_after_recovery.allocated
         # Layer offload moves weights to the host as the plan is applied, optimizer offload the optimizer's state
-        # (the step counters Adam made since, too), 8-bit state shrinks it: less in use is then expected.
+        # (the step counters Adam made since, too), 8-bit state and weights shrink them: less in use is then expected.
         offloading = event.plan["offload_layers"] > 0 or plan.offload_layers > 0
         offloading = offloading or event.plan["optimizer_offload"] or plan.optimizer_offload
         offloading = offloading or event.plan["quantized_optimizer"] or plan.quantized_optimizer
+        offloading = offloading or event.plan["quantized_weights"] or plan.quantized_weights
         if freed > outcome.memory_before or (not offloading and freed != outcome.memory_before):
             found.append(f"{freed - outcome.memory_before:+d} bytes in use after recovering from {event.error.phase}")
     return found
@@ -558,9 +576,10 @@ def sweep(
         if choose is not None:
             picked = choose(picked)
         references = {intended.result.plan: intended}
-        # Memory after recovery, by where the fault was: an apply that fails leaves the model as it was (master
-        # weights halve it all or nothing); a later fault, as the plan's effects made it.
-        freed: dict[bool, dict[int, list[int]]] = {True: {}, False: {}}
+        # Memory after recovery, for faults after the plan was applied: as its effects made it, every time. (An
+        # apply that fails part-way may leave a consistent deeper configuration to retry from, as layer offload and
+        # 8-bit weights do layer by layer: never more than before the attempt, which problems() checks.)
+        freed: dict[int, list[int]] = {}
         for index in picked:
             outcome = run_step(state, batch, plan, workload=workload, fault=index if faulted else None, wrap=wrap)
             final = outcome.result.plan
@@ -581,12 +600,10 @@ def sweep(
                 }
             )
             report.failures += [f"step {step}, allocation {index} ({phase}): {p}" for p in found]
-            if outcome.ooms:
-                group = freed[outcome.ooms[0].error.phase == "apply"]
-                group.setdefault(outcome.ooms[0].memory_after_recovery.allocated, []).append(index)
-        for group in freed.values():
-            if len(group) > 1:  # recovery frees all a failed attempt made, however far it got: the same every time
-                report.failures.append(f"step {step}: in use after recovery (bytes: allocations faulted) {group}")
+            if outcome.ooms and outcome.ooms[0].error.phase != "apply":
+                freed.setdefault(outcome.ooms[0].memory_after_recovery.allocated, []).append(index)
+        if len(freed) > 1:  # recovery frees all a failed attempt made, however far it got: the same every time
+            report.failures.append(f"step {step}: in use after recovery (bytes: allocations faulted) {freed}")
         state = intended.after
     return report
 
