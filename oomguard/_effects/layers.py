@@ -57,7 +57,10 @@ class _Block:
     module: torch.nn.Module
     params: list[_Streamed]
     resident: bool = False
-    pending: int = 0  # gradients still to arrive in this backward before the block can be released
+    #: Gradients still to arrive in this backward before the block can be released; None for a block with frozen
+    #: parameters (a LoRA base layer), whose weights backward may still need after its last gradient arrived: it
+    #: is released once the gradient of its input is complete (or after backward).
+    pending: int | None = 0
     handles: list[Any] = field(default_factory=list)
 
 
@@ -97,7 +100,7 @@ class LayerOffloader:
                 self.optimizer.state[item.param].update(host_state)
             item.param.data = item.host
             self.backend.resize_storage(item.device, 0)
-        block.handles.append(module.register_forward_pre_hook(self._before_forward(block)))
+        block.handles.append(module.register_forward_pre_hook(self._before_forward(block), with_kwargs=True))
         block.handles.append(module.register_forward_hook(self._after_forward(block)))
         for item in params:
             if item.param.requires_grad:
@@ -190,7 +193,8 @@ class LayerOffloader:
             self.backend.resize_storage(item.device, item.host.numel() * item.host.element_size())
             self.backend.upload(item.device, item.host)
             item.param.data = item.device
-        block.pending = sum(1 for item in block.params if item.param.requires_grad)
+        frozen = any(not item.param.requires_grad for item in block.params)
+        block.pending = None if frozen else sum(1 for item in block.params if item.param.requires_grad)
 
     def _release(self, block: _Block) -> None:
         if not block.resident:
@@ -201,8 +205,18 @@ class LayerOffloader:
         block.resident = False
 
     def _before_forward(self, block: _Block) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any) -> None:
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             self._materialize(block)
+            if block.pending is None and torch.is_grad_enabled():  # frozen weights: see _Block.pending
+                for leaf in tree_flatten((args, kwargs))[0]:
+                    if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                        leaf.register_hook(self._after_backward(block))  # type: ignore[no-untyped-call]
+
+        return hook
+
+    def _after_backward(self, block: _Block) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self._release(block)  # the block's backward is done: its input's gradient is complete
 
         return hook
 
@@ -235,6 +249,8 @@ class LayerOffloader:
                 self.backend.synchronize()  # the host add below reads it
                 item.grad = host if item.grad is None else item.grad.add_(host)
                 param.grad = None  # free the device gradient now
+            if block.pending is None:
+                return  # (released when the gradient of the block's input is complete)
             block.pending -= 1
             if block.pending <= 0:
                 self._release(block)

@@ -207,7 +207,7 @@ class OOMGuard:
         call = Call(batch, size, backend, choice, choice.plan, per_sample, step_number)
         started = time.perf_counter()
         output = self._recover(call, Run(self._runner, call, step=step, reduction=reduction))
-        timed = step and agreement is None  # (what tuning compares: whole steps, the same on every rank)
+        timed = step and agreement is None  # (tuning times whole steps; not where ranks would time differently)
         with self.transaction.interrupts.held():  # (delivered by _call once the step is counted)
             return self._succeed(call, output, time.perf_counter() - started if timed else None)
 
