@@ -121,3 +121,10 @@ def test_the_planner_measures_8_bit_frozen_weights_as_training_does() -> None:
     plain, quantized = (c.peak_bytes for c in report.candidates)
     *_, measured = run(QUANTIZED)
     assert quantized < plain and quantized == pytest.approx(measured, rel=0.05)
+
+
+def test_a_submodules_state_dict_holds_the_originals_too() -> None:
+    """PEFT saves and loads through the base model and its layers, not only the root."""
+    model, _, _, _ = run(QUANTIZED)
+    layer, original = frozen_linears(model)[0], frozen_linears(lora_llama())[0]  # (the same layer of each)
+    assert torch.equal(layer.state_dict()["weight"], original.weight)

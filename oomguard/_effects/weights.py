@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,20 +52,43 @@ def frozen_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     ]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Layer:
     module: torch.nn.Linear
     host: torch.Tensor  # the exact original weight, in host memory
     codes: torch.Tensor  # int8, on the device
     scales: torch.Tensor  # fp32, one per output channel, on the device
+    hooks: list[RemovableHandle] = field(default_factory=list)
+    reloading: bool = False  # a load_state_dict is writing its weight
+
+    def saving(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
+        """``state_dict()`` (of this layer or any module above it) gives the exact original (a host copy)."""
+        if prefix + "weight" in state_dict:
+            state_dict[prefix + "weight"] = self.host.clone()
+
+    def loading(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """A weight ``load_state_dict`` writes gets its device storage back for the copy (quantized again after)."""
+        if prefix + "weight" in state_dict:
+            weight = self.module.weight
+            current_backend(weight.device).resize_storage(weight, self.host.numel() * self.host.element_size())
+            self.reloading = True
+
+    def loaded(self, module: torch.nn.Module, incompatible: Any) -> None:
+        if not self.reloading:
+            return
+        self.reloading = False
+        weight = self.module.weight.detach()
+        backend = current_backend(weight.device)
+        self.codes, self.scales = _codes(weight)
+        self.host = backend.to_host(weight, self.host)
+        backend.synchronize()
+        backend.resize_storage(self.module.weight, 0)
 
 
 class QuantizedWeightsEffect(Effect):
     def __init__(self, target: EffectTarget) -> None:
         super().__init__(target)
         self._layers: dict[int, _Layer] = {}  # id(module) -> its quantized weight
-        self._hooks: list[RemovableHandle] = []
-        self._reloading: list[_Layer] = []  # layers whose weight a load_state_dict is writing
 
     @property
     def holds(self) -> bool:
@@ -86,14 +109,6 @@ class QuantizedWeightsEffect(Effect):
             if id(module) not in self._layers and backend.is_device(module.weight):
                 self._quantize(module, backend)
                 changed = True
-        if changed and not self._hooks:
-            model = self.target.model
-            self._hooks = [
-                # (partials: torch marks the hook it is given, which a bound method cannot take)
-                model.register_state_dict_post_hook(functools.partial(self._saving)),  # type: ignore[no-untyped-call]
-                model.register_load_state_dict_pre_hook(functools.partial(self._loading)),  # type: ignore[no-untyped-call]
-                model.register_load_state_dict_post_hook(functools.partial(self._loaded)),  # type: ignore[no-untyped-call]
-            ]
         return changed
 
     def _quantize(self, module: torch.nn.Linear, backend: MemoryBackend) -> None:
@@ -102,9 +117,13 @@ class QuantizedWeightsEffect(Effect):
         host = backend.to_host(weight.detach())
         backend.synchronize()  # the host copy has landed before the device memory is let go
         backend.resize_storage(weight, 0)
-        layer = _Layer(module, host, codes, scales)
-        self._layers[id(module)] = layer
+        layer = self._layers[id(module)] = _Layer(module, host, codes, scales)
         module.forward = types.MethodType(functools.partial(_forward, layer=layer), module)  # type: ignore[method-assign]
+        layer.hooks = [  # (partials: torch marks the hook it is given, which a bound method cannot take)
+            module.register_state_dict_post_hook(functools.partial(layer.saving)),  # type: ignore[no-untyped-call]
+            module.register_load_state_dict_pre_hook(functools.partial(layer.loading)),  # type: ignore[no-untyped-call]
+            module.register_load_state_dict_post_hook(functools.partial(layer.loaded)),  # type: ignore[no-untyped-call]
+        ]
 
     def _restore(self, layer: _Layer) -> None:
         weight = layer.module.weight
@@ -112,48 +131,15 @@ class QuantizedWeightsEffect(Effect):
         backend.resize_storage(weight, layer.host.numel() * layer.host.element_size())  # (may run out of memory)
         backend.upload(weight.data, layer.host)
         del layer.module.forward
+        for hook in layer.hooks:
+            hook.remove()
         del self._layers[id(layer.module)]
-
-    def _named(self, module: torch.nn.Module, prefix: str) -> list[tuple[str, _Layer]]:
-        found = []
-        for name, child in module.named_modules(prefix=prefix.rstrip(".")):
-            layer = self._layers.get(id(child))
-            if layer is not None:
-                found.append((f"{name}.weight" if name else "weight", layer))
-        return found
-
-    def _saving(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
-        """``state_dict()`` gives each quantized weight's exact original (a host copy)."""
-        for key, layer in self._named(module, prefix):
-            if key in state_dict:
-                state_dict[key] = layer.host.clone()
-
-    def _loading(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """A weight ``load_state_dict`` writes gets its device storage back for the copy (quantized again after)."""
-        for key, layer in self._named(module, prefix):
-            if key in state_dict:
-                weight = layer.module.weight
-                current_backend(weight.device).resize_storage(weight, layer.host.numel() * layer.host.element_size())
-                self._reloading.append(layer)
-
-    def _loaded(self, module: torch.nn.Module, incompatible: Any) -> None:
-        reloading, self._reloading = self._reloading, []
-        for layer in reloading:
-            weight = layer.module.weight.detach()
-            backend = current_backend(weight.device)
-            layer.codes, layer.scales = _codes(weight)
-            layer.host = backend.to_host(weight, layer.host)
-            backend.synchronize()
-            backend.resize_storage(layer.module.weight, 0)
 
     def close(self) -> None:
         """Every original weight back on the device, bit for bit (may run out of memory: the rest stay
         quantized, the rung still engaged)."""
         for layer in list(self._layers.values()):
             self._restore(layer)
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
 
 
 def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
