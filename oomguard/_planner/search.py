@@ -56,10 +56,12 @@ def _levels(rung: Rung, around: Plan, context: RungContext) -> list[int]:
         return sorted({0, level})
     if rung.name not in _TRADING:
         return [level]
+    if rung.name in _INEXACT and level == 0:
+        return [0]
     levels, plan = [0], rung.at_level(around, 0, size)
     while True:
         deeper = rung.escalate(plan, context)
-        if deeper is None or rung.level(deeper, size) in levels or (rung.name in _INEXACT and level == 0):
+        if deeper is None or rung.level(deeper, size) in levels:
             return levels
         levels.append(rung.level(deeper, size))
         plan = deeper
