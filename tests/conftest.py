@@ -94,6 +94,33 @@ def first_event(events: list[Any], kind: str) -> Any:
     return next(event for event in events if event.kind == kind)
 
 
+def train_on(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[Any],
+    plan: Any = None,
+    budget: int | str = "1GiB",
+    ladder: list[str] | None = None,
+) -> tuple[Any, list[Any], int]:
+    """Train ``model`` (a transformers LM) on ``batches``, guarded, under a SimulatedGPU of ``budget``: on ``plan``
+    with no ladder, or from the plain plan down ``ladder``; no tuning. The guard, each step's StepResult and the
+    last step's peak."""
+    from oomguard import OOMGuard
+
+    guard = OOMGuard(lambda batch: model(**batch), model=model, optimizer=optimizer,
+                     ladder=[] if ladder is None else ladder, tune_after=None)  # fmt: skip
+    if plan is not None:
+        guard.plan = plan
+    with SimulatedGPU(budget) as gpu:
+        gpu.adopt(model)
+        results = []
+        for batch in batches:
+            gpu.reset_peak_memory_stats()
+            results.append(guard(batch))
+        peak = gpu.max_memory_allocated()
+    return guard, results, peak
+
+
 class CountingGPU(SimulatedGPU):
     """A SimulatedGPU that calls :meth:`counted` whenever its allocation count grows, from inside its own
     bookkeeping (the count is a plain attribute the simulator increments)."""

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_llama
+from conftest import make_llama, train_on
 from test_planner import lm_batch, model_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from oomguard import LayerOffload, OOMGuard, OptimizerOffload, Plan, RungContext
+from oomguard import LayerOffload, OptimizerOffload, Plan, RungContext
 from oomguard._planner.engine import dry_run
 from oomguard.testing import SimulatedGPU
 
@@ -23,21 +23,11 @@ MASTER = AMP.replace(optimizer_offload="master")
 
 
 def trained(plan: Plan | None, ladder: list[str] | None = None, budget: int | str = "1GiB") -> tuple[Any, ...]:
-    """A fresh Llama trained on BATCHES on ``plan`` (None: unguarded); the model, the guard, the results and the
-    peak of the last step."""
+    """A fresh Llama trained on BATCHES on ``plan`` (None: down ``ladder``); the model, the guard, the results and
+    the peak of the last step."""
     model = make_llama(layers=2, hidden=64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = OOMGuard(model_step(model), model=model, optimizer=optimizer, ladder=[] if ladder is None else ladder,
-                     tune_after=None)  # fmt: skip
-    if plan is not None:
-        guard.plan = plan
-    with SimulatedGPU(budget) as gpu:
-        gpu.adopt(model)
-        results = []
-        for batch in BATCHES:
-            gpu.reset_peak_memory_stats()
-            results.append(guard(batch))
-        peak = gpu.max_memory_allocated()
+    guard, results, peak = train_on(model, optimizer, BATCHES, plan, budget, ladder)
     return model, guard, results, peak
 
 

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_llama
+from conftest import make_llama, train_on
 from test_planner import lm_batch, model_step
 
 from oomguard import GuardConfigError, LadderExhausted, OOMGuard, Plan, QuantizedOptimizer, RungContext
@@ -24,18 +24,8 @@ Trained = tuple[torch.nn.Module, OOMGuard, list[int], int]
 def run(plan: Plan | None, budget: int | str = "1GiB", ladder: list[str] | None = None) -> Trained:
     """A fresh Llama trained on BATCHES: the model, the guard, each step's OOMs and the last step's peak."""
     model = make_llama(layers=2, hidden=64)
-    guard = OOMGuard(model_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
-                     ladder=[] if ladder is None else ladder, tune_after=None)  # fmt: skip
-    if plan is not None:
-        guard.plan = plan
-    with SimulatedGPU(budget) as gpu:
-        gpu.adopt(model)
-        ooms = []
-        for batch in BATCHES:
-            gpu.reset_peak_memory_stats()
-            ooms.append(guard(batch).ooms)
-        peak = gpu.max_memory_allocated()
-    return model, guard, ooms, peak
+    guard, results, peak = train_on(model, torch.optim.AdamW(model.parameters(), lr=LR), BATCHES, plan, budget, ladder)
+    return model, guard, [r.ooms for r in results], peak
 
 
 def reference() -> torch.nn.Module:
