@@ -94,6 +94,16 @@ def first_event(events: list[Any], kind: str) -> Any:
     return next(event for event in events if event.kind == kind)
 
 
+def train_unguarded(model: torch.nn.Module, batches: list[Any], lr: float = 1e-3) -> torch.nn.Module:
+    """``model`` (a transformers LM) trained on ``batches`` with AdamW, no guard: the reference runs compare to."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for batch in batches:
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
 def train_on(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

@@ -89,28 +89,27 @@ def test_replicas_are_identical_and_equal_a_single_process_run(agreed_run: Path)
 
 
 def test_every_rank_offloads_the_optimizer_when_one_rank_runs_out_in_its_step(tmp_path: Path) -> None:
-    codes, hung = launch(tmp_path, "offload", timeout=180)
-    assert not hung and codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
-    rank0, rank1 = reports(tmp_path)
-    assert rank1["faults_fired"]["optimizer0"] and not any(rank0["faults_fired"].values())
-    plans = [[s["plan"] for s in report["steps"]] for report in (rank0, rank1)]
-    assert plans[0] == plans[1] and all(plan["optimizer_offload"] for plan in plans[0]), "the ranks agreed"
-    assert [s["ooms"] for s in rank0["steps"]] == [s["ooms"] for s in rank1["steps"]] == [1, 0, 0, 0, 0]
-    assert rank0["adam_steps"] == rank1["adam_steps"] == [5, 5, 5, 5], "one optimizer step per call, no more"
+    assert_every_rank_engaged(tmp_path, "offload", "optimizer_offload")
     assert_replicas_equal_a_single_process_run(tmp_path)
 
 
 def test_every_rank_quantizes_the_optimizer_state_when_one_rank_runs_out_in_its_step(tmp_path: Path) -> None:
-    codes, hung = launch(tmp_path, "quantized", timeout=180)
-    assert not hung and codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
-    rank0, rank1 = reports(tmp_path)
-    assert rank1["faults_fired"]["optimizer0"] and not any(rank0["faults_fired"].values())
-    plans = [[s["plan"] for s in report["steps"]] for report in (rank0, rank1)]
-    assert plans[0] == plans[1] and all(plan["quantized_optimizer"] for plan in plans[0]), "the ranks agreed"
-    assert [s["ooms"] for s in rank0["steps"]] == [s["ooms"] for s in rank1["steps"]] == [1, 0, 0, 0, 0]
-    assert rank0["adam_steps"] == rank1["adam_steps"] == [5, 5, 5, 5], "one optimizer step per call, no more"
+    assert_every_rank_engaged(tmp_path, "quantized", "quantized_optimizer")
     weights = [torch.load(tmp_path / f"weights{rank}.pt") for rank in range(WORLD)]
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0]), "the replicas are equal"
+
+
+def assert_every_rank_engaged(out: Path, mode: str, field: str) -> None:
+    """The worker in ``mode``: one OOM in rank 1's first optimizer step, and every rank on a plan with ``field``
+    set from then on, one optimizer step per call."""
+    codes, hung = launch(out, mode, timeout=180)
+    assert not hung and codes == [0, 0], "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+    rank0, rank1 = reports(out)
+    assert rank1["faults_fired"]["optimizer0"] and not any(rank0["faults_fired"].values())
+    plans = [[s["plan"] for s in report["steps"]] for report in (rank0, rank1)]
+    assert plans[0] == plans[1] and all(plan[field] for plan in plans[0]), "the ranks agreed"
+    assert [s["ooms"] for s in rank0["steps"]] == [s["ooms"] for s in rank1["steps"]] == [1, 0, 0, 0, 0]
+    assert rank0["adam_steps"] == rank1["adam_steps"] == [5, 5, 5, 5], "one optimizer step per call, no more"
 
 
 def assert_replicas_equal_a_single_process_run(out: Path) -> None:

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import make_llama
+from conftest import make_llama, train_unguarded
 from test_planner import lm_batch, model_step
 
 from oomguard import GuardConfigError, OOMGuard, Plan, oom_guard
@@ -32,13 +32,7 @@ def peak_of(plan: Plan) -> int:
 
 
 def reference() -> torch.nn.Module:
-    model = make_llama(layers=2, hidden=64)
-    optimizer = torch.optim.AdamW(model.parameters())
-    for batch in BATCHES:
-        model(**batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model
+    return train_unguarded(make_llama(layers=2, hidden=64), BATCHES)
 
 
 def test_state_that_does_not_fit_trains_with_the_optimizer_on_the_host_after_one_oom() -> None:

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_llama, train_on
+from conftest import make_llama, train_on, train_unguarded
 from test_planner import lm_batch, model_step
 
 from oomguard import GuardConfigError, LadderExhausted, OOMGuard, Plan, QuantizedOptimizer, RungContext
@@ -29,13 +29,7 @@ def run(plan: Plan | None, budget: int | str = "1GiB", ladder: list[str] | None 
 
 
 def reference() -> torch.nn.Module:
-    model = make_llama(layers=2, hidden=64)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    for batch in BATCHES:
-        model(**batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model
+    return train_unguarded(make_llama(layers=2, hidden=64), BATCHES, lr=LR)
 
 
 def test_state_that_fits_only_in_8_bits_trains_after_one_oom_within_10_percent_of_the_fp32_update() -> None:
