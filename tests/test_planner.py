@@ -188,6 +188,8 @@ def test_when_nothing_fits_the_answer_says_so() -> None:
         (["--model", "gpt2", "--seq-len", "4096"], "longer than the model's 1024 positions"),
         (["--model", "gpt2", "--gpu-memory", "-1"], "memory"),
         (["--model", "gpt2", "--batch-size", "0"], "batch_size must be a positive int"),
+        (["--model", "gpt2", "--lora-rank", "0"], "LoRA rank must be a positive int"),
+        (["--model", "gpt2", "--lora-rank", "8", "--lora-targets", "q_proj"], r"no layer named \['q_proj'\]"),
     ],
 )
 def test_bad_plan_arguments_get_a_clear_error(args: list[str], message: str) -> None:

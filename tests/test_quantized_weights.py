@@ -4,13 +4,20 @@ frozen."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
-from conftest import make_llama, train_on
+from conftest import VOCAB, make_llama, train_on
 from test_planner import lm_batch, model_step
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import LayerOffload, OOMGuard, Plan, QuantizedWeights, RungContext
+from oomguard._cli.main import main
 from oomguard._effects.weights import frozen_linears
+from oomguard._planner.engine import dry_run
+from oomguard._planner.lora import add_lora
 from oomguard.testing import SimulatedGPU
 
 peft = pytest.importorskip("peft")
@@ -19,11 +26,13 @@ BATCHES = [lm_batch(2, 16) for _ in range(3)]
 QUANTIZED = Plan(quantized_weights=True)
 
 
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
 def lora_llama() -> torch.nn.Module:
     """A Llama (hidden 128: its frozen weights dominate) with LoRA adapters on every projection."""
     model = make_llama(layers=2, hidden=128)
-    config = peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM",
-                             lora_dropout=0.0)  # fmt: skip
+    config = peft.LoraConfig(r=4, target_modules=ATTENTION, task_type="CAUSAL_LM", lora_dropout=0.0)
     torch.manual_seed(3)
     lora = peft.get_peft_model(model, config)
     for name, param in lora.named_parameters():  # adapters that start moving at once (B starts at zero)
@@ -118,3 +127,73 @@ def test_a_submodules_state_dict_holds_the_originals_too() -> None:
     model, _, _, _ = run(QUANTIZED)
     layer, original = frozen_linears(model)[0], frozen_linears(lora_llama())[0]  # (the same layer of each)
     assert torch.equal(layer.state_dict()["weight"], original.weight)
+
+
+def adapted_layers(model: torch.nn.Module) -> set[str]:
+    """The names of the layers with a trainable adapter (PEFT's ``lora_A``/``lora_B``, ours ``lora_a``/``lora_b``)."""
+    names = (name.removeprefix("base_model.model.") for name, p in model.named_parameters() if p.requires_grad)
+    return {name.split(".lora_")[0] for name in names}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_planners_lora_adapts_the_layers_peft_adapts(family: str) -> None:
+    """``oomguard plan --lora-rank`` builds its own adapters (PEFT cannot wrap fake tensors): on the same layers,
+    with the same shapes, as PEFT's "all-linear" (GPT-2's Conv1D projections included)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def build() -> torch.nn.Module:
+        if family == "llama":
+            return make_llama(layers=2, hidden=64)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64))
+
+    ours, theirs = build(), peft.get_peft_model(build(), peft.LoraConfig(r=4, target_modules="all-linear"))
+    adapted = add_lora(ours, 4)
+    assert adapted == (14 if family == "llama" else 8)
+    shapes = sorted(p.shape for p in ours.parameters() if p.requires_grad)
+    assert shapes == sorted(p.shape for p in theirs.parameters() if p.requires_grad) and len(shapes) == 2 * adapted
+    assert adapted_layers(ours) == adapted_layers(theirs)
+    with pytest.raises(ValueError, match=r"no layer named \['nosuch'\]"):
+        add_lora(build(), 4, ["nosuch"])
+
+
+def test_the_planners_lora_peaks_are_what_a_peft_lora_job_measures() -> None:
+    """The planner's LoRA on fake tensors against the PEFT LoRA Llama training under SimulatedGPU, plain and
+    with 8-bit frozen weights: within 5 %."""
+    with FakeTensorMode():
+        model = make_llama(layers=2, hidden=128)
+        add_lora(model, 4, ATTENTION, dropout=0.0)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+        report = dry_run(
+            model_step(model), lm_batch(2, 16), model=model, optimizer=optimizer,
+            capacity=2**40, target="simulated", label="lora", plans=[Plan(), QUANTIZED],
+        )  # fmt: skip
+    for candidate in report.candidates:
+        *_, measured = run(candidate.plan)
+        assert candidate.peak_bytes == pytest.approx(measured, rel=0.05), candidate.plan.describe(2)
+
+
+def test_oomguard_plan_recommends_8_bit_frozen_weights_for_a_lora_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its fp32 frozen weights (2.1 MiB of 2.5 MiB) do not fit 1.5 MiB with any micro-batch; in 8 bits they do."""
+    config = {
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ["plan", "--model", str(tmp_path / "config.json"), "--gpu-memory", "1.5MiB", "--batch-size", "2",
+            "--seq-len", "16", "--target", "simulated", "--lora-rank", "4", "--json"]  # fmt: skip
+    assert main([*args, "--ladder", "micro_batch,quantized_weights"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["plan"]["quantized_weights"] and "quantized_weights" in answer["plan"]["rungs"]
+    assert "LoRA (rank 4 on 14 layers)" in answer["model"]
+    assert main([*args, "--ladder", "micro_batch", "--batch-size", "1"]) == 1, "not without the rung"
+    capsys.readouterr()
+    main([*args, "--ladder", "quantized_weights", "--lora-targets", "q_proj, v_proj"])
+    assert "LoRA (rank 4 on 4 layers)" in json.loads(capsys.readouterr().out)["model"]

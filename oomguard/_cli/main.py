@@ -62,6 +62,19 @@ def _parser() -> argparse.ArgumentParser:
         help="the guard's rungs, comma-separated, in order (default: the default ladder; add quantized_optimizer "
         "or quantized_weights to plan with them)",
     )
+    plan.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="plan a LoRA fine-tune: the model frozen, rank-R adapters trained (what quantized_weights relieves)",
+    )
+    plan.add_argument(
+        "--lora-targets",
+        default="all-linear",
+        help="the layers LoRA adapts: all-linear (every linear layer but the output head; default) or names, "
+        "comma-separated, e.g. q_proj,v_proj",
+    )
     plan.add_argument("--json", action="store_true", help="print the answer as JSON")
     plan.set_defaults(run=_run_plan)
     return parser
@@ -80,18 +93,24 @@ def _run_plan(args: argparse.Namespace) -> int:
     from oomguard._planner.speed import DeviceSpeed
 
     given = {"gpu_tflops": args.gpu_tflops, "link_gbps": args.link_gbps}
-    ladder = None if args.ladder is None else [name.strip() for name in args.ladder.split(",") if name.strip()]
+    ladder = None if args.ladder is None else _names(args.ladder)
+    targets = args.lora_targets if args.lora_targets == "all-linear" else _names(args.lora_targets)
     try:
         speed = DeviceSpeed(**{name: value for name, value in given.items() if value is not None})
         report = plan(
             args.model, gpu_memory=args.gpu_memory, batch_size=args.batch_size, seq_len=args.seq_len,
             optimizer=args.optimizer, target=args.target, bf16=args.bf16, max_grad_norm=args.max_grad_norm,
-            speed=speed, ladder=ladder,
+            speed=speed, ladder=ladder, lora_rank=args.lora_rank, lora_targets=targets,
         )  # fmt: skip
     except ValueError as error:  # bad input: a model, a config.json or an argument the planner cannot use
         _bad_input("plan", error)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
     return 0 if report.fits else 1
+
+
+def _names(text: str) -> list[str]:
+    """A comma-separated list of names (rungs, layers), spaces and empty entries dropped."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _bad_input(command: str, error: ValueError) -> NoReturn:

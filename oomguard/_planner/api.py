@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from oomguard._backends.units import parse_bytes
 from oomguard._ladder.rungs import Rung
 from oomguard._planner.engine import dry_run
+from oomguard._planner.lora import ALL_LINEAR, add_lora
 from oomguard._planner.presets import config_source, load_config, transformers_error
 from oomguard._planner.report import PlanReport, Target
 from oomguard._planner.speed import DeviceSpeed
@@ -40,6 +41,8 @@ def plan(
     bf16: bool = True,
     max_grad_norm: float | None = None,
     speed: DeviceSpeed | None = None,
+    lora_rank: int | None = None,
+    lora_targets: str | Sequence[str] = ALL_LINEAR,
 ) -> PlanReport:
     """Plan a causal LM's training step on a device of ``gpu_memory`` bytes, without a GPU and without weights.
 
@@ -59,6 +62,10 @@ def plan(
         max_grad_norm: plan with gradient clipping, as the guard's option of that name.
         speed: the device model that predicts each plan's step time (the recommendation is the fastest fitting
             plan by it); default: a 6 GB consumer GPU (see :class:`oomguard._planner.speed.DeviceSpeed`).
+        lora_rank: plan a LoRA fine-tune instead of a full one: the model frozen, rank-``lora_rank`` adapters on
+            ``lora_targets`` (``"all-linear"``: every linear layer but the output head; or layer names as PEFT's
+            ``target_modules``, e.g. ``["q_proj", "v_proj"]``) trained, as a PEFT LoRA job computes them
+            (dropout 0.05, alpha ``2 * rank``). Its frozen weights are what ``quantized_weights`` quantizes.
 
     Raises ``ValueError`` for bad input: an argument out of range, or a config (file) transformers cannot build a
     causal LM from; the message names the file and the fix.
@@ -88,12 +95,16 @@ def plan(
     label = model if isinstance(model, str) else getattr(config, "model_type", "model")
     with FakeTensorMode(), _quiet_transformers():
         net = _build(config, config_source(model))
+        if lora_rank is not None:
+            adapted = add_lora(net, lora_rank, lora_targets)
+            label = f"{label} with LoRA (rank {lora_rank} on {adapted} layers)"
         net.train()
+        trainable = [p for p in net.parameters() if p.requires_grad]
         foreach = True if target == "cuda" else None  # torch's default on CUDA
         opt: torch.optim.Optimizer = (
-            torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=foreach)
+            torch.optim.AdamW(trainable, lr=1e-4, foreach=foreach)
             if optimizer == "adamw"
-            else torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9, foreach=foreach)
+            else torch.optim.SGD(trainable, lr=1e-3, momentum=0.9, foreach=foreach)
         )
         ids = torch.zeros((batch_size, seq_len), dtype=torch.long)
         batch = {"input_ids": ids, "labels": torch.zeros_like(ids)}
