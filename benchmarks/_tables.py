@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import ladder
+import quantization
 
 from oomguard._backends.units import format_bytes
 
@@ -236,6 +237,10 @@ def markdown(results: dict[str, Any]) -> str:
         "## The plan the guard runs on against the fastest plan that fits (`benchmarks/ladder.py`)",
         "",
         ladder.render(results["ladder"]) if results.get("ladder") else "Not run with `--quick`.",
+        "",
+        "## The quantization rungs against the exact rungs they compete with (`benchmarks/quantization.py`)",
+        "",
+        quantization.render(results["quantization"]) if results.get("quantization") else "Not run with `--quick`.",
         "",
         "## Largest Llama-style model that trains under a 6 GiB budget",
         "",

@@ -4,8 +4,9 @@ Contenders: Hugging Face Accelerate's ``find_executable_batch_size`` (as its doc
 Composer's automatic micro-batching, and oomguard with its default ladder and with ``preplan=True``, plus an
 unconstrained reference run. Scenarios, on a SimulatedGPU with a small Llama on the CPU: a batch 4x too large,
 40x too large, a rare long batch, a budget where batch 1 does not fit in fp32, and weights + optimizer state
-larger than the budget. Also the guard's happy-path overhead (``overhead.py``) and the largest Llama-style
-model each contender can train under 6 GiB (from the dry-run planner).
+larger than the budget. Also the guard's happy-path overhead (``overhead.py``), what each rung costs and the plan
+the guard settles on (``ladder.py``), the quantization rungs against the exact ones (``quantization.py``), and
+the largest Llama-style model each contender can train under 6 GiB (from the dry-run planner).
 
     python benchmarks/run.py            # ~6 min here: benchmarks/out/results.json and benchmarks/RESULTS.md
     python benchmarks/run.py --quick    # under a minute, smaller everything: benchmarks/out/quick/
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import ladder
+import quantization
 import torch
 from _contenders import CONTENDERS, RunRecord, run_reference
 from _largest import FAMILY, QUICK_FAMILY, largest_models
@@ -128,6 +130,8 @@ def run_all(quick: bool, threads: int, skip_largest: bool = False, log: Any = sy
     results["overhead"] = _overhead(quick)
     print("every fitting plan against the one the guard runs on (ladder.py)...", file=log, flush=True)
     results["ladder"] = None if quick else ladder.run(parse_bytes("24MiB"), steps=20, rounds=4)
+    print("the quantization rungs against the exact rungs (quantization.py)...", file=log, flush=True)
+    results["quantization"] = None if quick else quantization.run(rounds=10)
     print("largest model under 6 GiB (dry-run planner)...", file=log, flush=True)
     results["largest"] = {} if skip_largest else largest_models(QUICK_FAMILY if quick else FAMILY)
     results["meta"]["seconds"] = time.perf_counter() - started

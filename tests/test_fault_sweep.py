@@ -117,7 +117,8 @@ def test_an_oom_at_every_allocation_of_a_step_loses_nothing(name: str) -> None:
 # The Llama's first step (Adam building its state), on every configuration but all rungs at once: ~400 to ~1500
 # allocations each, at 0.2 to 0.5 s per fault.
 LLAMA_SWEPT = [name for name in LLAMA_CONFIGS if name != "every rung"]
-QUANTIZED_WEIGHTS = Plan(quantized_weights=True)  # (on a model whose attention is frozen: FROZEN_LLAMA)
+# On a model whose attention is frozen (FROZEN_LLAMA): its frozen projections in 8 bits, and in 4.
+QUANTIZED_WEIGHTS = {"quantized weights": Plan(quantized_weights=True), "4-bit weights": Plan(quantized_weights="4bit")}
 
 
 @pytest.mark.slow
@@ -127,12 +128,14 @@ def test_an_oom_at_every_allocation_of_a_llama_step_loses_nothing(name: str) -> 
 
 
 @pytest.mark.slow
-def test_an_oom_at_every_allocation_of_a_step_with_8_bit_frozen_weights_loses_nothing() -> None:
-    check_sweep(FROZEN_LLAMA, "quantized weights", QUANTIZED_WEIGHTS, every_allocation, PHASES, steps=1)
+@pytest.mark.parametrize("name", QUANTIZED_WEIGHTS)
+def test_an_oom_at_every_allocation_of_a_step_with_quantized_frozen_weights_loses_nothing(name: str) -> None:
+    check_sweep(FROZEN_LLAMA, name, QUANTIZED_WEIGHTS[name], every_allocation, PHASES, steps=1)
 
 
-def test_an_oom_at_sampled_allocations_of_a_step_with_8_bit_frozen_weights_loses_nothing() -> None:
-    check_sweep(FROZEN_LLAMA, "quantized weights", QUANTIZED_WEIGHTS, phase_edges, PHASES, steps=2)
+@pytest.mark.parametrize("name", QUANTIZED_WEIGHTS)
+def test_an_oom_at_sampled_allocations_of_a_step_with_quantized_frozen_weights_loses_nothing(name: str) -> None:
+    check_sweep(FROZEN_LLAMA, name, QUANTIZED_WEIGHTS[name], phase_edges, PHASES, steps=2)
 
 
 def llama_sample(step: int, phases: list[str]) -> list[int]:

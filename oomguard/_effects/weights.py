@@ -1,9 +1,12 @@
-"""The ``quantized_weights`` rung's effect: frozen linear weights in 8 bits on the device, the exact originals on
-the host.
+"""The ``quantized_weights`` rung's effect: frozen linear weights in 8 or 4 bits on the device, the exact originals
+on the host.
 
 For models whose frozen parameters dominate (a PEFT LoRA job: the base model is frozen, the adapters train), each
 frozen ``nn.Linear`` weight on the device is kept as int8 codes with one fp32 scale per output channel
-(symmetric, weight-only: ``weight ~ codes * scale``), about a quarter of its fp32 size. The layer's forward
+(symmetric, weight-only: ``weight ~ codes * scale``), about a quarter of its fp32 size; one level deeper, as
+4-bit codes of the 16 NF4 levels (quantiles of a normal distribution, as QLoRA stores its base model, one exact
+zero among them) with one fp32 absolute maximum per 64 values, 0.56 bytes a value, two codes to a byte. The
+layer's forward
 dequantizes it for the product and its backward dequantizes it again, so no full-precision copy outlives the
 operation (a plain linear layer would keep its weight for backward). Trainable parameters are never quantized;
 weights shared with another module (tied embeddings) and weights of fewer than 1,024 values are left as they
@@ -19,6 +22,7 @@ numbers. Layer offload ends the rung (an offloaded block's weights go to the hos
 from __future__ import annotations
 
 import functools
+import itertools
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +37,7 @@ from oomguard._ladder.plan import Plan
 __all__ = ["QuantizedWeightsEffect", "frozen_linears"]
 
 MIN_VALUES = 1024
+GROUP = 64  # values per scale in 4 bits
 
 
 def frozen_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -56,10 +61,15 @@ def frozen_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
 class _Layer:
     module: torch.nn.Linear
     host: torch.Tensor  # the exact original weight, in host memory
-    codes: torch.Tensor  # int8, on the device
-    scales: torch.Tensor  # fp32, one per output channel, on the device
+    codes: torch.Tensor  # on the device: int8 (one per value), or uint8 (two 4-bit codes)
+    scales: torch.Tensor  # fp32, on the device: one per output channel (8 bits), per 64 values (4 bits)
+    table: torch.Tensor | None  # 4 bits: each byte's two values, on the device (see _table); None in 8 bits
     hooks: list[RemovableHandle] = field(default_factory=list)
     reloading: bool = False  # a load_state_dict is writing its weight
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.table is None else 4
 
     def saving(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
         """``state_dict()`` (of this layer or any module above it) gives the exact original (a host copy)."""
@@ -79,7 +89,7 @@ class _Layer:
         self.reloading = False
         weight = self.module.weight.detach()
         backend = current_backend(weight.device)
-        self.codes, self.scales = _codes(weight)
+        self.codes, self.scales, self.table = _encode(weight, self.bits)
         self.host = backend.to_host(weight, self.host)
         backend.synchronize()
         backend.resize_storage(self.module.weight, 0)
@@ -104,20 +114,25 @@ class QuantizedWeightsEffect(Effect):
     def apply(self, plan: Plan, backend: MemoryBackend) -> bool:
         if not plan.quantized_weights:
             return False
+        bits = 4 if plan.quantized_weights == "4bit" else 8
         changed = False
         for module in frozen_linears(self.target.model):  # one layer at a time: an OOM part-way leaves whole layers
-            if id(module) not in self._layers and backend.is_device(module.weight):
-                self._quantize(module, backend)
+            layer = self._layers.get(id(module))
+            if layer is not None and layer.bits != bits:  # to the other width, from the exact original
+                self._restore(layer)
+                layer, changed = None, True
+            if layer is None and backend.is_device(module.weight):
+                self._quantize(module, backend, bits)
                 changed = True
         return changed
 
-    def _quantize(self, module: torch.nn.Linear, backend: MemoryBackend) -> None:
+    def _quantize(self, module: torch.nn.Linear, backend: MemoryBackend, bits: int) -> None:
         weight = module.weight
-        codes, scales = _codes(weight.detach())  # (may run out of memory: the layer is then left as it was)
+        encoded = _encode(weight.detach(), bits)  # (may run out of memory: the layer is then left as it was)
         host = backend.to_host(weight.detach())
         backend.synchronize()  # the host copy has landed before the device memory is let go
         backend.resize_storage(weight, 0)
-        layer = self._layers[id(module)] = _Layer(module, host, codes, scales)
+        layer = self._layers[id(module)] = _Layer(module, host, *encoded)
         module.forward = types.MethodType(functools.partial(_forward, layer=layer), module)  # type: ignore[method-assign]
         layer.hooks = [  # (partials: torch marks the hook it is given, which a bound method cannot take)
             module.register_state_dict_post_hook(functools.partial(layer.saving)),  # type: ignore[no-untyped-call]
@@ -142,38 +157,84 @@ class QuantizedWeightsEffect(Effect):
             self._restore(layer)
 
 
-def _codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 codes of ``weight`` with one fp32 scale per output channel (row)."""
-    scales = weight.float().abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
-    codes = (weight.float() / scales).round_().clamp_(-127, 127).to(torch.int8)
-    return codes, scales
+def nf4_levels() -> list[float]:
+    """The 16 NF4 levels, ascending, in [-1, 1]: quantiles of a normal distribution, 8 positive and 7 negative
+    with an exact zero between them (QLoRA's construction: equal-probability bins of N(0, 1), the outermost
+    quantile taken at 0.9677 rather than at 1, where it is infinite), scaled so that the extremes are -1 and 1.
+
+    >>> levels = nf4_levels()
+    >>> len(levels), levels[0], levels[7], levels[-1]
+    (16, -1.0, 0.0, 1.0)
+    """
+    outermost = 0.5 * ((1 - 1 / 30) + (1 - 1 / 32))  # halfway between the two halves' outermost bin centres
+    positive = torch.special.ndtri(torch.linspace(outermost, 0.5, 9, dtype=torch.float64)[:-1])
+    negative = -torch.special.ndtri(torch.linspace(outermost, 0.5, 8, dtype=torch.float64)[:-1])
+    return sorted([*(negative / positive.max()).tolist(), 0.0, *(positive / positive.max()).tolist()])
+
+
+_LEVELS = nf4_levels()
+_BOUNDS = [(low + high) / 2 for low, high in itertools.pairwise(_LEVELS)]  # nearest level's edges
+
+
+def _encode(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``weight``'s codes, scales and (4 bits) the table that decodes a byte of codes; see :func:`_decode`.
+
+    8 bits: symmetric int8 codes with one fp32 scale per output channel (row). 4 bits: each run of 64 values
+    (the weight read row after row, zero-padded to whole runs) divided by its absolute maximum and stored as the
+    index of the nearest NF4 level, two to a byte (the first in the low half).
+    """
+    if bits == 8:
+        scales = weight.float().abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        return (weight.float() / scales).round_().clamp_(-127, 127).to(torch.int8), scales, None
+    values = weight.detach().float().reshape(-1)
+    groups = torch.nn.functional.pad(values, (0, -values.numel() % GROUP)).view(-1, GROUP)
+    scales = groups.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    bounds = torch.tensor(_BOUNDS, dtype=torch.float32, device=weight.device)
+    index = torch.bucketize(groups / scales, bounds, out_int32=True).to(torch.uint8)
+    codes = index[:, 0::2] | (index[:, 1::2] << 4)
+    del index
+    levels = torch.tensor(_LEVELS, dtype=torch.float32, device=weight.device)
+    table = torch.stack((levels.repeat(16), levels.repeat_interleave(16)), dim=1)  # byte b: (low half, high half)
+    return codes, scales, table
+
+
+def _decode(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    """The fp32 weight of ``shape`` from its codes (see :func:`_encode`)."""
+    if table is None:
+        return codes * scales
+    pairs = table.index_select(0, codes.view(-1).int())  # (faster than indexing with a tensor)
+    values = pairs.view(scales.shape[0], GROUP).mul_(scales).view(-1)  # (in place: one fp32 copy)
+    return values[: shape.numel()].view(shape)
 
 
 def _forward(module: torch.nn.Linear, x: torch.Tensor, *, layer: _Layer) -> torch.Tensor:
+    weight = module.weight  # (its storage freed: its shape and dtype)
     output: torch.Tensor = _QuantizedLinear.apply(  # type: ignore[no-untyped-call]
-        x, layer.codes, layer.scales, module.bias, module.weight.dtype
+        x, layer.codes, layer.scales, layer.table, module.bias, weight.shape, weight.dtype
     )
     return output
 
 
 class _QuantizedLinear(torch.autograd.Function):
     """``F.linear`` with the weight dequantized for the product, in forward and again in backward: autograd keeps
-    the 8-bit codes, not a full-precision weight."""
+    the 8- or 4-bit codes, not a full-precision weight."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-        dtype: torch.dtype,
+        ctx: Any, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor | None,
+        bias: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype,
     ) -> torch.Tensor:  # fmt: skip
-        ctx.save_for_backward(codes, scales)
-        ctx.x_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
-        return torch.nn.functional.linear(x, (codes * scales).to(dtype), bias)
+        ctx.save_for_backward(codes, scales, table)
+        ctx.shape, ctx.x_dtype, ctx.bias_dtype = shape, x.dtype, None if bias is None else bias.dtype
+        return torch.nn.functional.linear(x, _decode(codes, scales, table, shape).to(dtype), bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        codes, scales = ctx.saved_tensors
-        grad_x = grad.matmul((codes * scales).to(grad.dtype)).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        codes, scales, table = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(_decode(codes, scales, table, ctx.shape).to(grad.dtype)).to(ctx.x_dtype)
         grad_bias = None
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
-        return grad_x, None, None, grad_bias, None
+        return grad_x, None, None, None, grad_bias, None, None

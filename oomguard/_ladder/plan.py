@@ -74,7 +74,8 @@ class Plan:
         offload_layers: how many repeated blocks keep their parameters, gradients and optimizer state in host
             memory, streamed to the device only while in use.
         quantized_optimizer: keep Adam's moments in block-wise 8-bit storage on the device.
-        quantized_weights: keep frozen ``nn.Linear`` weights in 8 bits on the device, their originals on the host.
+        quantized_weights: ``True`` keeps frozen ``nn.Linear`` weights in 8 bits on the device, their originals on
+            the host; ``"4bit"`` in 4 bits (NF4 codes, one scale per 64 values).
         extras: the levels of rungs that are not built in, by rung name (see :class:`oomguard.Rung`); empty
             unless such a rung is engaged.
 
@@ -99,7 +100,10 @@ class Plan:
     )
     offload_layers: int = field(default=0, metadata=_owned_by("layer_offload", "{} layer(s) offloaded"))
     quantized_optimizer: bool = field(default=False, metadata=_owned_by("quantized_optimizer", "8-bit optimizer state"))
-    quantized_weights: bool = field(default=False, metadata=_owned_by("quantized_weights", "8-bit frozen weights"))
+    quantized_weights: bool | Literal["4bit"] = field(
+        default=False,
+        metadata={**_owned_by("quantized_weights", "8-bit frozen weights"), "4bit": "4-bit frozen weights"},
+    )
     extras: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
@@ -110,11 +114,13 @@ class Plan:
             raise ValueError(f"Plan.precision must be None, 'bf16' or 'fp16', got {self.precision!r}")
         if self.checkpointing not in (None, "partial", "full"):
             raise ValueError(f"Plan.checkpointing must be None, 'partial' or 'full', got {self.checkpointing!r}")
-        for name in ("activation_offload", "quantized_optimizer", "quantized_weights"):
+        for name in ("activation_offload", "quantized_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Plan.{name} must be True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.optimizer_offload, bool) and self.optimizer_offload != "master":
-            raise ValueError(f"Plan.optimizer_offload must be True, False or 'master', got {self.optimizer_offload!r}")
+        for name, named in (("optimizer_offload", "master"), ("quantized_weights", "4bit")):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and value != named:
+                raise ValueError(f"Plan.{name} must be True, False or {named!r}, got {value!r}")
         if isinstance(self.offload_layers, bool) or not isinstance(self.offload_layers, int) or self.offload_layers < 0:
             raise ValueError(f"Plan.offload_layers must be an int >= 0, got {self.offload_layers!r}")
         for name, level in self.extras:

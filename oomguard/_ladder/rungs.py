@@ -268,19 +268,20 @@ class QuantizedOptimizer(_OneField):
 @dataclass(frozen=True)
 class QuantizedWeights(_OneField):
     """Keep frozen ``nn.Linear`` weights (a LoRA job's base model) in 8 bits on the device, per output channel,
-    and their exact originals on the host; trainable parameters are never quantized. Changes the maths like
-    ``amp``. Inapplicable to a model with no frozen linear weight; layer offload ends it."""
+    then, one level deeper, in 4 bits (NF4 codes with one scale per 64 values), and their exact originals on the
+    host; trainable parameters are never quantized. Changes the maths like ``amp``. Inapplicable to a model with
+    no frozen linear weight; layer offload ends it."""
 
     name: str = "quantized_weights"
     relieves: frozenset[Phase] = EVERY_PHASE  # the weights are resident in every phase
 
     _FIELD = "quantized_weights"
-    _LEVELS = (False, True)
+    _LEVELS = (False, True, "4bit")
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        if plan.quantized_weights or plan.offload_layers or not context.frozen_linears:
+        if plan.quantized_weights == "4bit" or plan.offload_layers or not context.frozen_linears:
             return None
-        return plan.replace(quantized_weights=True)
+        return plan.replace(quantized_weights="4bit" if plan.quantized_weights else True)
 
 
 @dataclass(frozen=True)
