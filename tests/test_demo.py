@@ -82,10 +82,13 @@ def test_cli_entry_points_answer_help(args: list[str], expected: str) -> None:
 
 
 def test_cli_rejects_a_bad_budget(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="cannot read 'lots' as a memory size"):
+    """One line and status 2 (bad input, as for every command), not a traceback."""
+    with pytest.raises(SystemExit, match="oomguard demo: --gpu-memory: cannot read 'lots' as a memory size") as out:
         main(["demo", "--steps", "1", "--gpu-memory", "lots", "--log-file", str(tmp_path / "x.jsonl"), "--quiet"])
+    assert out.value.code == 2
 
 
 def test_report_of_a_missing_log_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="cannot read"):
+    with pytest.raises(SystemExit, match="cannot read") as out:
         main(["report", str(tmp_path / "nope.jsonl")])
+    assert out.value.code == 2, "bad input, not an answer"

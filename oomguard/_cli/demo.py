@@ -24,6 +24,7 @@ from oomguard._backends.accounting import AccountedDevice
 from oomguard._backends.memory import current_backend
 from oomguard._backends.units import format_bytes, parse_bytes
 from oomguard._cli.data import VOCAB_SIZE, stdlib_text, text_batches
+from oomguard._cli.errors import bad_input
 from oomguard._decorator import oom_guard
 from oomguard._guard.results import StepResult
 
@@ -84,7 +85,11 @@ def _config(args: argparse.Namespace) -> DemoConfig:
             values[name] = getattr(args, name)
     config = DemoConfig(**values)
     if config.steps < 1 or config.batch_size < 1 or config.seq_len < 2:
-        raise SystemExit("oomguard demo: --steps and --batch-size must be at least 1, --seq-len at least 2")
+        bad_input("demo", "--steps and --batch-size must be at least 1, --seq-len at least 2")
+    try:
+        parse_bytes(config.gpu_memory)
+    except ValueError as error:
+        bad_input("demo", f"--gpu-memory: {error}")
     return config
 
 

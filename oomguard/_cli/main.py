@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+
+from oomguard._cli.errors import bad_input
 
 __all__ = ["main"]
 
@@ -103,7 +104,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             speed=speed, ladder=ladder, lora_rank=args.lora_rank, lora_targets=targets,
         )  # fmt: skip
     except ValueError as error:  # bad input: a model, a config.json or an argument the planner cannot use
-        _bad_input("plan", error)
+        bad_input("plan", error)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
     return 0 if report.fits else 1
 
@@ -113,27 +114,13 @@ def _names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
-def _bad_input(command: str, error: ValueError) -> NoReturn:
-    """Print ``oomguard COMMAND: what is wrong`` on one line of stderr and exit with status 2, as argparse does
-    for bad usage: 1 already means an answer (nothing fits), so a script can tell the two apart.
-
-    The ``SystemExit`` carries the message as its text (for a caller of :func:`main` such as a test) and the
-    status as its ``code``: Python exits with an int code silently, so the line is printed exactly once.
-    """
-    message = f"oomguard {command}: {' '.join(str(error).split())}"  # one line, whatever the error's layout
-    print(message, file=sys.stderr)
-    exit_ = SystemExit(message)
-    exit_.code = 2
-    raise exit_ from error
-
-
 def _run_report(args: argparse.Namespace) -> int:
     from oomguard._cli.report import plot, read_log, table, tallied
 
     try:
         log = read_log(args.log)
     except OSError as error:
-        raise SystemExit(f"oomguard report: cannot read {args.log}: {error.strerror or error}") from error
+        bad_input("report", f"cannot read {args.log}: {error.strerror or error}")
     print(table(tallied(log.events)))
     try:
         if args.plot:
