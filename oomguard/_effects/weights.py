@@ -6,11 +6,10 @@ frozen ``nn.Linear`` weight on the device is kept as int8 codes with one fp32 sc
 (symmetric, weight-only: ``weight ~ codes * scale``), about a quarter of its fp32 size; one level deeper, as
 4-bit codes of the 16 NF4 levels (quantiles of a normal distribution, as QLoRA stores its base model, one exact
 zero among them) with one fp32 absolute maximum per 64 values, 0.56 bytes a value, two codes to a byte. The
-layer's forward
-dequantizes it for the product and its backward dequantizes it again, so no full-precision copy outlives the
-operation (a plain linear layer would keep its weight for backward). Trainable parameters are never quantized;
-weights shared with another module (tied embeddings) and weights of fewer than 1,024 values are left as they
-are. The exact original of each weight is kept in host memory: undo (relaxing, ``guard.close()``, giving up)
+layer's forward dequantizes it for the product and its backward dequantizes it again, so no full-precision copy
+outlives the operation (a plain linear layer would keep its weight for backward). Trainable parameters are never
+quantized; weights shared with another module (tied embeddings) and weights of fewer than 1,024 values are left
+as they are. The exact original of each weight is kept in host memory: undo (relaxing, ``guard.close()``, giving up)
 puts it back bit for bit, ``model.state_dict()`` gives it, and ``load_state_dict`` writes it (and quantizes the
 layer again).
 
@@ -63,7 +62,7 @@ class _Layer:
     host: torch.Tensor  # the exact original weight, in host memory
     codes: torch.Tensor  # on the device: int8 (one per value), or uint8 (two 4-bit codes)
     scales: torch.Tensor  # fp32, on the device: one per output channel (8 bits), per 64 values (4 bits)
-    table: torch.Tensor | None  # 4 bits: each byte's two values, on the device (see _table); None in 8 bits
+    table: torch.Tensor | None  # 4 bits: each byte's two values, on the device (see _encode); None in 8 bits
     hooks: list[RemovableHandle] = field(default_factory=list)
     reloading: bool = False  # a load_state_dict is writing its weight
 
