@@ -118,3 +118,33 @@ def test_an_interrupt_while_the_stepped_parameters_go_back_waits_until_all_are_b
     assert len(calls) == len(list(model.parameters())), "every parameter went back before the interrupt"
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_fp16_with_its_gradient_scaler_steps_the_offloaded_state_as_the_device_would() -> None:
+    """The GradScaler unscales the device's gradients and skips the step where they overflowed: the host step must
+    see them unscaled, and be skipped alike (the Adam state and weights untouched, the scale backed off)."""
+    finals = []
+    for offload in (False, True):
+        model = make_llama(layers=2, hidden=64)
+        guard = OOMGuard(model_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters()), ladder=[],
+                         tune_after=None)  # fmt: skip
+        guard.plan = Plan(precision="fp16", optimizer_offload=offload)
+        with SimulatedGPU("1GiB") as gpu:
+            gpu.adopt(model)
+            guard(BATCHES[0])
+            before = [p.detach().clone() for p in model.parameters()]
+            state = guard.effects._scaler_state
+            assert state is not None
+            guard.effects._scaler_state = {**state, "scale": 2.0**40}  # fp16 gradients overflow: a skipped step
+            guard(BATCHES[1])
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)), "skipped"
+            assert guard.effects._scaler_state["scale"] == 2.0**39, "backed off"
+            guard.effects._scaler_state = state
+            guard(BATCHES[2])
+            assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)), "stepped"
+            guard.close()
+        steps = {int(s["step"]) for s in guard.optimizer.state.values()}
+        assert steps == {2}, "Adam counted the two steps taken, not the skipped one"
+        finals.append([p.detach().clone() for p in model.parameters()])
+    for on_device, on_host in zip(*finals, strict=True):
+        torch.testing.assert_close(on_host, on_device, rtol=1e-6, atol=1e-6)
