@@ -43,6 +43,7 @@ from oomguard._events import Event
 from oomguard._guard.guard import OOMGuard
 from oomguard._ladder.plan import Phase
 from oomguard._step.runner import Reduction
+from oomguard.integrations._pairs import chosen_then_rejected, collates_pairs, pair_major
 from oomguard.integrations._rollback import PlainState
 
 __all__ = ["OOMGuardTrainer"]
@@ -61,6 +62,7 @@ class _StepInProgress:
     model: Any = None
     inputs: Any = None
     items: Any = None
+    paired: frozenset[str] = frozenset()  # the keys of a preference batch viewed one pair per row
     replaying: bool = False
     rollback: PlainState | None = None
 
@@ -73,6 +75,12 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
             ``ladder``, ``relax_after``...). The model, optimizer, scheduler, clipping and reduction are the
             Trainer's.
         *args, **kwargs: as for :class:`transformers.Trainer` (or the Trainer subclass it is combined with).
+
+    Attributes:
+        oomguard_pairs: whether each batch holds preference pairs as TRL's DPO and reward trainers collate them
+            (every chosen sequence, then every rejected one): micro-batches then take whole pairs, in that
+            layout, so that the loss pairs the right rows. Set from the collator (TRL's preference collators);
+            set it yourself for a collator of your own that lays pairs out that way.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -102,6 +110,7 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
         self._oomguard_options = dict(oomguard or {})
         self._guard: OOMGuard | None = None
         self._oomguard_step = _StepInProgress()  # (not plain data: what a failed attempt puts back leaves it alone)
+        self.oomguard_pairs: bool = collates_pairs(self.data_collator)
 
     @property
     def oomguard(self) -> OOMGuard:
@@ -115,6 +124,8 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
 
         def forward(part: Any) -> torch.Tensor:  # the class's compute_loss: the subclass's, under the stand-in
             compute_loss = getattr(type(trainer), "compute_loss")  # noqa: B009  (not the instance attribute)
+            if trainer._oomguard_step.paired:
+                part = chosen_then_rejected(part, trainer._oomguard_step.paired)
             loss: torch.Tensor = compute_loss(trainer, model, part, num_items_in_batch=trainer._oomguard_step.items)
             return loss
 
@@ -169,7 +180,8 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
         self._oomguard_step.inputs, self._oomguard_step.items = inputs, num_items_in_batch
         scaled_by_model = bool(self.model_accepts_loss_kwargs and num_items_in_batch is not None)
         reduction: Reduction = "sum" if scaled_by_model or self.compute_loss_func else "mean"
-        result = self.oomguard.accumulate(inputs, reduction)
+        batch, self._oomguard_step.paired = pair_major(inputs) if self.oomguard_pairs else (inputs, frozenset())
+        result = self.oomguard.accumulate(batch, reduction)
         return self._stand_in(result.loss)
 
     def _stand_in(self, loss: float) -> torch.Tensor:
