@@ -141,3 +141,43 @@ def test_a_batch_not_laid_out_in_pairs_is_refused_with_the_way_out() -> None:
 
     with pytest.raises(BatchSplitError, match=r"2 rows per pair .* set trainer.oomguard_pairs = False"):
         pair_major({"input_ids": torch.zeros(8, 4), "pixel_values": torch.zeros(3, 4)})
+
+
+def test_a_reward_model_in_micro_batches_trains_as_on_the_whole_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL's RewardTrainer collates pairs as DPO does (chosen rows, then rejected): split pair by pair, micro-batches
+    of one pair end within 1e-5 of the whole batch's weights (measured 5.6e-6; 4.9e-3 when split along dim 0)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))
+    import trl_dpo
+
+    class GuardedReward(trl_dpo.OOMGuardTrainer, RewardTrainer):  # type: ignore[misc]
+        pass
+
+    def build(trainer_class: type[RewardTrainer], name: str, **guarded: Any) -> RewardTrainer:
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                             pad_token_id=0, bos_token_id=1, eos_token_id=1, num_labels=1)  # fmt: skip
+        args = RewardConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8, max_steps=3,
+                            max_length=96, learning_rate=1e-3, optim="adamw_torch", bf16=False, use_cpu=True,
+                            report_to=[], save_strategy="no", disable_tqdm=True, seed=0)  # fmt: skip
+        pairs = trl_dpo.preference_pairs().map(
+            lambda e: {"chosen": e["prompt"] + e["chosen"], "rejected": e["prompt"] + e["rejected"]}
+        ).remove_columns("prompt")  # fmt: skip
+        return trainer_class(model=LlamaForSequenceClassification(config), args=args, train_dataset=pairs,
+                             processing_class=trl_sft.byte_tokenizer(), **guarded)  # fmt: skip
+
+    reference = build(RewardTrainer, "reference")
+    reference.train()
+    trainer = build(GuardedReward, "guarded", oomguard={"ladder": ["micro_batch"]})
+    assert trainer.oomguard_pairs
+    with SimulatedGPU("3MiB") as gpu:
+        gpu.adopt(trainer.model)
+        trainer.train()
+    assert trainer.oomguard.plan.micro_batch_size == 1
+    for p, q in zip(trainer.model.parameters(), reference.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
