@@ -605,3 +605,41 @@ def test_a_mismatched_input_target_pair_gets_no_per_sample_hint() -> None:
     with pytest.raises(BatchSplitError) as caught:
         batch_size((torch.zeros(4, 3), torch.zeros(5)))
     assert "one tensor per sample" not in str(caught.value)
+
+
+def _warnings_for(model: torch.nn.Module, plan_size: int | None, caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The guard's warnings over two steps of ``model`` on micro-batches of ``plan_size`` (None: the whole batch)."""
+    import logging
+
+    from oomguard import OOMGuard, Plan
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    guard = OOMGuard(step, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), ladder=[])
+    guard.plan = Plan(micro_batch_size=plan_size)
+    batch = (torch.randn(8, 4), torch.randn(8, 1))
+    with caplog.at_level(logging.WARNING, logger="oomguard"):
+        guard(batch)
+        guard(batch)
+    return [record.getMessage() for record in caplog.records if "BatchNorm" in record.getMessage()]
+
+
+def test_micro_batches_under_batchnorm_say_once_that_the_step_is_no_longer_the_whole_batchs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """BatchNorm normalises by the samples it is given: split, its statistics are each micro-batch's."""
+    normed = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    (warning,) = _warnings_for(normed, 2, caplog)
+    assert "micro-batches of 2" in warning and "(1)" in warning and "MicroBatch(min_size=" in warning
+
+
+@pytest.mark.parametrize("case", ["whole batch", "no BatchNorm", "BatchNorm in eval mode"])
+def test_no_batchnorm_warning_where_micro_batches_change_nothing(case: str, caplog: pytest.LogCaptureFixture) -> None:
+    layers: list[torch.nn.Module] = [torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1)]
+    if case != "no BatchNorm":
+        layers[1] = torch.nn.BatchNorm1d(8)
+    model = torch.nn.Sequential(*layers)
+    if case == "BatchNorm in eval mode":
+        model[1].eval()
+    assert _warnings_for(model, None if case == "whole batch" else 2, caplog) == []

@@ -6,6 +6,8 @@ in, so that the guard can say where an out-of-memory error struck after the exce
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,6 +25,10 @@ from oomguard._errors import LossError, OOMGuardError
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._step.batch import count_items, split_batch
 from oomguard._step.outside import OutsideLeaves, Saved
+
+logger = logging.getLogger("oomguard")
+#: Models already warned that micro-batches change their batch statistics (once per model, planner included).
+_WARNED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 __all__ = ["AttemptOutput", "StepRunner", "loss_of"]
 
@@ -140,6 +146,7 @@ class StepRunner:
         size, micro = job.size, job.plan.effective_micro_batch_size(job.size)
         if micro >= size:
             return [job.batch], [1.0]
+        _warn_if_batch_statistics(self.model, micro)
         parts = split_batch(job.batch, micro)
         if job.reduction == "sum":
             return parts, [1.0] * len(parts)
@@ -312,3 +319,28 @@ def _is_retryable(exc: BaseException) -> bool:
 
 def _part_sizes(size: int, micro: int) -> list[int]:
     return [min(micro, size - start) for start in range(0, size, micro)]
+
+
+def _warn_if_batch_statistics(model: torch.nn.Module, micro: int) -> None:
+    """Say once per model that its BatchNorm layers in training mode see micro-batches, not the batch.
+
+    Every other layer computes each sample on its own, so micro-batches with exact accumulation give the whole
+    batch's gradients; a BatchNorm layer normalises by the statistics of the samples it is given (and updates its
+    running estimates from them), so the step is no longer the whole batch's, by an amount no one can bound here.
+    """
+    if model in _WARNED:
+        return
+    norms = [name for name, module in model.named_modules()
+             if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training]  # fmt: skip
+    if not norms:
+        return
+    _WARNED.add(model)
+    shown = ", ".join(norms[:3]) + (f" and {len(norms) - 3} more" if len(norms) > 3 else "")
+    logger.warning(
+        "micro-batches of %d: the model's BatchNorm layers in training mode (%s) now normalise by each micro-batch's "
+        "statistics and update their running estimates from them, so a step is no longer exactly the whole "
+        "batch's. If that matters, leave micro_batch off the ladder (ladder=[...] without it) or set its floor "
+        "(oomguard.MicroBatch(min_size=...)), or use GroupNorm/LayerNorm, which micro-batching does not change.",
+        micro,
+        shown,
+    )
