@@ -48,10 +48,10 @@ def test_the_example_trains_recovers_and_counts_tokens_once(tmp_path: Path) -> N
     assert (tmp_path / "guarded" / "oomguard.jsonl").exists()
 
 
-def _faulty(phase: str, gpu_box: list[Any]) -> type:
-    """GuardedSFT with one injected OOM in ``phase`` of the second step."""
+def _faulty(phase: str, gpu_box: list[Any], base: type | None = None) -> type:
+    """``base`` (GuardedSFT by default) with one injected OOM in ``phase`` of the second step."""
 
-    class Faulty(trl_sft.GuardedSFT):  # type: ignore[misc,name-defined]
+    class Faulty(base or trl_sft.GuardedSFT):  # type: ignore[misc,name-defined]
         armed = False
 
         def arm(self, *_: Any) -> None:
@@ -181,3 +181,35 @@ def test_a_reward_model_in_micro_batches_trains_as_on_the_whole_batch(
     assert trainer.oomguard.plan.micro_batch_size == 1
     for p, q in zip(trainer.model.parameters(), reference.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("phase", ["backward", "optimizer"])
+def test_dpo_metrics_after_an_oom_equal_the_oom_free_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, phase: str
+) -> None:
+    """DPOTrainer's compute_loss appends its rewards and log-probabilities to ``_metrics`` and counts tokens: what a
+    failed attempt added is taken back before the retry, as for SFT."""
+    from trl import DPOTrainer
+
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))
+    import trl_dpo
+
+    reference = trl_dpo.build(3, str(tmp_path / "reference"), trainer_class=DPOTrainer)
+    reference.train()
+    gpu_box: list[Any] = []
+    options = {"ladder": ["checkpointing", "layer_offload"], "step_journal": "always"}
+    trainer = trl_dpo.build(
+        3, str(tmp_path / phase), options, trainer_class=_faulty(phase, gpu_box, trl_dpo.GuardedDPO)
+    )
+    if phase == "backward":  # (after compute_loss appended the step's metrics)
+        trainer.model.model.layers[-1].mlp.down_proj.weight.register_hook(lambda grad: trainer.arm())
+    with SimulatedGPU("1GiB") as gpu:
+        gpu_box.append(gpu)
+        gpu.adopt(trainer.model)
+        gpu.adopt(trainer.ref_model)
+        trainer.train()
+    (oom,) = [e for e in trainer.oomguard.events if e.kind == "oom"]
+    assert oom.error.phase == phase and oom.step == 1
+    for step, (got, expected) in enumerate(zip(trainer.state.log_history, reference.state.log_history, strict=True)):
+        keys = [key for key in DPO_METRICS if key in expected]
+        assert {k: got[k] for k in keys} == pytest.approx({k: expected[k] for k in keys}, rel=1e-5, abs=1e-6), step
