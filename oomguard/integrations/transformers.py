@@ -10,7 +10,9 @@ recomputes the batch's gradients on the cheaper plan and runs that part again.
 Any Trainer subclass composes, with ``OOMGuardTrainer`` first: ``class MyTrainer(OOMGuardTrainer, SFTTrainer)``.
 The subclass's own ``training_step`` and ``compute_loss`` still run (TRL's activation-offloading context included);
 what a failed attempt added to the trainer's plain-data attributes (TRL's ``_metrics``, token counts, your own
-counters) is taken back before the retry, so logged metrics are those of a run without OOMs.
+counters) is taken back before the retry, so logged metrics are those of a run without OOMs. TRL's preference
+batches (DPO, reward models) are split pair by pair (:mod:`oomguard.integrations._pairs`), and GRPO's loss types
+weighed as each needs (:mod:`oomguard.integrations._losses`).
 
 Losses stay exact: when the model normalises its loss by ``num_items_in_batch`` (token-weighted, the
 Trainer's default for causal LMs), the micro-batch losses are summed; otherwise each micro-batch's mean is
@@ -43,6 +45,7 @@ from oomguard._events import Event
 from oomguard._guard.guard import OOMGuard
 from oomguard._ladder.plan import Phase
 from oomguard._step.runner import Reduction
+from oomguard.integrations._losses import completion_tokens, weighting
 from oomguard.integrations._pairs import chosen_then_rejected, collates_pairs, pair_major
 from oomguard.integrations._rollback import PlainState
 
@@ -111,6 +114,7 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
         self._guard: OOMGuard | None = None
         self._oomguard_step = _StepInProgress()  # (not plain data: what a failed attempt puts back leaves it alone)
         self.oomguard_pairs: bool = collates_pairs(self.data_collator)
+        self._oomguard_weighting = weighting(self)  # (GRPO's loss types; None: the Trainer's rule)
 
     @property
     def oomguard(self) -> OOMGuard:
@@ -132,6 +136,8 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
         inner: Any = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside Accelerate's
         options = dict(self._oomguard_options)
         options["sinks"] = [*options.get("sinks", ()), self._take_back]
+        if self._oomguard_weighting == "tokens" and options.get("count_items") is None:
+            options["count_items"] = completion_tokens
         guard = OOMGuard(forward, model=model, optimizer=inner, accelerator=self.accelerator, **options)
         accelerated_step = self.optimizer.step
 
@@ -155,8 +161,6 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
         self._keep_loss_on_host()
         self._oomguard_step.model = model
         outermost = not self._oomguard_step.replaying
-        if outermost:
-            self._oomguard_step.rollback = PlainState(self)
         self.compute_loss = self._guarded_loss  # (the instance attribute shadows every class's compute_loss)
         try:
             loss: torch.Tensor = super().training_step(model, inputs, num_items_in_batch)
@@ -178,8 +182,11 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
                 "compute_loss itself"
             )
         self._oomguard_step.inputs, self._oomguard_step.items = inputs, num_items_in_batch
+        if not self._oomguard_step.replaying:  # (after _prepare_inputs: what it recorded, GRPO's rewards, stays)
+            self._oomguard_step.rollback = PlainState(self)
         scaled_by_model = bool(self.model_accepts_loss_kwargs and num_items_in_batch is not None)
-        reduction: Reduction = "sum" if scaled_by_model or self.compute_loss_func else "mean"
+        summed = scaled_by_model or self.compute_loss_func or self._oomguard_weighting == "sum"
+        reduction: Reduction = "sum" if summed else "mean"
         batch, self._oomguard_step.paired = pair_major(inputs) if self.oomguard_pairs else (inputs, frozenset())
         result = self.oomguard.accumulate(batch, reduction)
         return self._stand_in(result.loss)
@@ -233,14 +240,17 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
     def _replay(self, clip: bool) -> None:
         """Recompute the step's gradients on the guard's new plan (and clip them as the Trainer did, when the
         optimizer step is what is run again). What the replay adds to the trainer's records is taken back: the
-        step's own attempt already counted this batch."""
+        step's own attempt already counted this batch. The inputs are the step's prepared ones: preparing them again
+        could change them (GRPO's ``_prepare_inputs`` generates new completions)."""
         self._oomguard_step.rollback = before = PlainState(self)
         self._oomguard_step.replaying = True
+        self._prepare_inputs = lambda prepared: prepared  # (shadows the class's, for this replay)
         try:
             self.training_step(self._oomguard_step.model, self._oomguard_step.inputs, self._oomguard_step.items)
             if clip and self.args.max_grad_norm and self.args.max_grad_norm > 0:
                 self._clip_grad_norm(self._oomguard_step.model)
         finally:
+            del self._prepare_inputs
             self._oomguard_step.replaying, self._oomguard_step.rollback = False, None
             before.restore()
 
