@@ -292,3 +292,43 @@ def test_a_grpo_loss_type_oomguard_does_not_know_is_refused(tmp_path: Path, monk
     trainer.loss_type = "next_year"
     with pytest.raises(GuardConfigError, match="GRPO loss_type 'next_year' is new to oomguard"):
         weighting(trainer)
+
+
+def test_kto_in_micro_batches_says_once_that_its_kl_term_is_no_longer_the_batchs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """KTO estimates its KL term as a mean over the batch: no split can keep it, so the guard says so."""
+    import copy
+    import logging
+
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl import KTOConfig, KTOTrainer
+
+    from oomguard.integrations._losses import batch_coupled
+    from oomguard.integrations.transformers import OOMGuardTrainer
+
+    class GuardedKTO(OOMGuardTrainer, KTOTrainer):  # type: ignore[misc]
+        pass
+
+    lines = trl_sft.stdlib_lines(128)["text"]
+    data = Dataset.from_dict({"prompt": lines[0::2][:32], "completion": lines[1::2][:32],
+                              "label": [i % 2 == 0 for i in range(32)]})  # fmt: skip
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=1)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    args = KTOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=2, max_length=96,
+                     optim="adamw_torch", bf16=False, use_cpu=True, report_to=[], save_strategy="no",
+                     disable_tqdm=True, seed=0, train_sampling_strategy="sequential")  # fmt: skip
+    trainer = GuardedKTO(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=data,
+                         processing_class=trl_sft.byte_tokenizer(), oomguard={"ladder": ["micro_batch"]})  # fmt: skip
+    assert batch_coupled(trainer) is not None
+    with SimulatedGPU("30MiB") as gpu, caplog.at_level(logging.WARNING, logger="oomguard"):
+        gpu.adopt(trainer.model)
+        gpu.adopt(trainer.ref_model)
+        trainer.train()
+    assert trainer.oomguard.plan.micro_batch_size in (1, 2, 4)
+    said = [r.getMessage() for r in caplog.records if "KL term" in r.getMessage()]
+    assert len(said) == 1 and "MicroBatch(min_size=" in said[0]

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from oomguard._errors import GuardConfigError
 
-__all__ = ["Weighting", "completion_tokens", "weighting"]
+__all__ = ["Weighting", "batch_coupled", "completion_tokens", "weighting"]
 
 Weighting = Literal["sum", "tokens", "samples"]
 
@@ -31,7 +31,7 @@ def weighting(trainer: Any) -> Weighting | None:
     """How ``trainer``'s micro-batch losses combine where its class decides (GRPO's loss types); None where the
     Trainer's own rule holds. Raises :class:`~oomguard.GuardConfigError` for a GRPO loss type it does not know,
     rather than weigh it wrongly."""
-    if not any(k.__name__ == "GRPOTrainer" and k.__module__.startswith("trl.") for k in type(trainer).__mro__):
+    if not _is_trl(trainer, "GRPOTrainer"):
         return None
     loss_type = getattr(trainer, "loss_type", None)
     if loss_type not in GRPO_LOSSES:
@@ -49,3 +49,24 @@ def completion_tokens(part: Mapping[str, Any]) -> float:
     if "tool_mask" in part:
         mask = mask * part["tool_mask"]
     return float(mask.sum())
+
+
+def _is_trl(trainer: Any, name: str) -> bool:
+    """Whether ``trainer`` is TRL's trainer class ``name`` or a subclass of it."""
+    return any(k.__name__ == name and k.__module__.startswith("trl.") for k in type(trainer).__mro__)
+
+
+def batch_coupled(trainer: Any) -> str | None:
+    """Why ``trainer``'s loss is not a sum over its samples, so that micro-batches change it (what the guard warns
+    of when it splits a batch); None where it is.
+
+    TRL's KTOTrainer estimates its KL term as a mean over the batch's mismatched completions: split, each
+    micro-batch has its own estimate, and in micro-batches of one the KL term equals the implied reward (TRL
+    itself refuses a batch of one for that reason).
+    """
+    if _is_trl(trainer, "KTOTrainer") and getattr(trainer, "calculate_KL", False):
+        return (
+            "KTO's KL term is estimated over each micro-batch instead of the whole batch (in micro-batches of one "
+            "it equals the implied reward); leave micro_batch off the ladder or set oomguard.MicroBatch(min_size=...)"
+        )
+    return None

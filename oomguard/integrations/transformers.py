@@ -30,12 +30,14 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from transformers import Trainer
 from transformers.training_args import ParallelMode
 
@@ -44,12 +46,15 @@ from oomguard._errors import GuardConfigError
 from oomguard._events import Event
 from oomguard._guard.guard import OOMGuard
 from oomguard._ladder.plan import Phase
+from oomguard._step.batch import batch_leaves, batch_size
 from oomguard._step.runner import Reduction
-from oomguard.integrations._losses import completion_tokens, weighting
+from oomguard.integrations._losses import batch_coupled, completion_tokens, weighting
 from oomguard.integrations._pairs import chosen_then_rejected, collates_pairs, pair_major
 from oomguard.integrations._rollback import PlainState
 
 __all__ = ["OOMGuardTrainer"]
+
+logger = logging.getLogger("oomguard")
 
 # The Trainer's own parts of a step: its model, optimizer and scheduler, its clipping, its loss reduction, and its
 # Accelerator (which runs backward and mixed precision).
@@ -66,6 +71,8 @@ class _StepInProgress:
     inputs: Any = None
     items: Any = None
     paired: frozenset[str] = frozenset()  # the keys of a preference batch viewed one pair per row
+    size: int = 0  # samples in the batch the guard is given
+    warned: bool = False  # that micro-batches change this trainer's loss (here: a rollback leaves it alone)
     replaying: bool = False
     rollback: PlainState | None = None
 
@@ -115,6 +122,7 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
         self._oomguard_step = _StepInProgress()  # (not plain data: what a failed attempt puts back leaves it alone)
         self.oomguard_pairs: bool = collates_pairs(self.data_collator)
         self._oomguard_weighting = weighting(self)  # (GRPO's loss types; None: the Trainer's rule)
+        self._oomguard_coupled = batch_coupled(self)  # (why micro-batches change the loss: said once, when they do)
 
     @property
     def oomguard(self) -> OOMGuard:
@@ -128,6 +136,8 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
 
         def forward(part: Any) -> torch.Tensor:  # the class's compute_loss: the subclass's, under the stand-in
             compute_loss = getattr(type(trainer), "compute_loss")  # noqa: B009  (not the instance attribute)
+            if trainer._oomguard_coupled and batch_size(part) < trainer._oomguard_step.size:
+                trainer._warn_coupled(part)
             if trainer._oomguard_step.paired:
                 part = chosen_then_rejected(part, trainer._oomguard_step.paired)
             loss: torch.Tensor = compute_loss(trainer, model, part, num_items_in_batch=trainer._oomguard_step.items)
@@ -188,8 +198,16 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
         summed = scaled_by_model or self.compute_loss_func or self._oomguard_weighting == "sum"
         reduction: Reduction = "sum" if summed else "mean"
         batch, self._oomguard_step.paired = pair_major(inputs) if self.oomguard_pairs else (inputs, frozenset())
+        self._oomguard_step.size = batch_size(batch)
         result = self.oomguard.accumulate(batch, reduction)
         return self._stand_in(result.loss)
+
+    def _warn_coupled(self, part: Any) -> None:
+        """Say once, when a real step (not the planner's dry run) is split, why that changes this trainer's loss."""
+        if self._oomguard_step.warned or any(is_fake(tensor) for _, tensor in batch_leaves(part)):
+            return
+        logger.warning("micro-batches of %d: %s", batch_size(part), self._oomguard_coupled)
+        self._oomguard_step.warned = True
 
     def _stand_in(self, loss: float) -> torch.Tensor:
         """The loss, for the training step to backpropagate and return once the guard has done both.
