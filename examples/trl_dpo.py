@@ -12,19 +12,16 @@ Run: python examples/trl_dpo.py [--steps 4]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import logging
 from typing import Any
 
 import torch
 from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 from trl import DPOConfig, DPOTrainer
-from trl_sft import byte_tokenizer, stdlib_lines
+from trl_sft import byte_tokenizer, stdlib_lines, train
 
 from oomguard.integrations.transformers import OOMGuardTrainer
-from oomguard.testing import SimulatedGPU
 
 
 class GuardedDPO(OOMGuardTrainer, DPOTrainer):  # type: ignore[misc]
@@ -78,16 +75,8 @@ def build(
 
 
 def main(steps: int = 4, output_dir: str = "trl_dpo_out", budget: str = "60MiB") -> DPOTrainer:
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     trainer = build(steps, output_dir)
-    # No GPU here? Simulate a small one, so the out-of-memory errors (and the recovery) are real.
-    simulated = SimulatedGPU(budget) if not torch.cuda.is_available() else contextlib.nullcontext()
-    with simulated as gpu:
-        if gpu is not None:
-            gpu.adopt(trainer.model)  # the weights are already resident, as after model.to("cuda")
-            gpu.adopt(trainer.ref_model)
-        trainer.train()
-    print(trainer.oomguard.summary())  # type: ignore[attr-defined]
+    train(trainer, budget, trainer.ref_model)
     return trainer
 
 

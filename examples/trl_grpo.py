@@ -12,18 +12,15 @@ Run: python examples/trl_grpo.py [--steps 3]
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 from typing import Any
 
 import torch
 from datasets import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 from trl import GRPOConfig, GRPOTrainer
-from trl_sft import byte_tokenizer, stdlib_lines
+from trl_sft import byte_tokenizer, stdlib_lines, train
 
 from oomguard.integrations.transformers import OOMGuardTrainer
-from oomguard.testing import SimulatedGPU
 
 
 class GuardedGRPO(OOMGuardTrainer, GRPOTrainer):  # type: ignore[misc]
@@ -74,15 +71,8 @@ def build(
 
 
 def main(steps: int = 3, output_dir: str = "trl_grpo_out", budget: str = "20MiB") -> GRPOTrainer:
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     trainer = build(steps, output_dir)
-    # No GPU here? Simulate a small one, so the out-of-memory errors (and the recovery) are real.
-    simulated = SimulatedGPU(budget) if not torch.cuda.is_available() else contextlib.nullcontext()
-    with simulated as gpu:
-        if gpu is not None:
-            gpu.adopt(trainer.model)  # the weights are already resident, as after model.to("cuda")
-        trainer.train()
-    print(trainer.oomguard.summary())  # type: ignore[attr-defined]
+    train(trainer, budget)
     return trainer
 
 

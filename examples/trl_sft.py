@@ -78,16 +78,22 @@ def build(
     )
 
 
-def main(steps: int = 6, output_dir: str = "trl_sft_out", budget: str = "16MiB") -> GuardedSFT:
+def train(trainer: Any, budget: str, *resident: torch.nn.Module) -> None:
+    """``trainer.train()``: on CUDA as it is; with no GPU, under a simulated one of ``budget``, so that the
+    out-of-memory errors (and the recovery) are real. ``resident``: more models on the device (a reference model)."""
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    trainer = build(steps, output_dir)
-    # No GPU here? Simulate a small one, so the out-of-memory errors (and the recovery) are real.
     simulated = SimulatedGPU(budget) if not torch.cuda.is_available() else contextlib.nullcontext()
     with simulated as gpu:
         if gpu is not None:
-            gpu.adopt(trainer.model)  # the weights are already resident, as after model.to("cuda")
+            for model in (trainer.model, *resident):  # already on the device, as after model.to("cuda")
+                gpu.adopt(model)
         trainer.train()
     print(trainer.oomguard.summary())
+
+
+def main(steps: int = 6, output_dir: str = "trl_sft_out", budget: str = "16MiB") -> GuardedSFT:
+    trainer = build(steps, output_dir)
+    train(trainer, budget)
     return trainer
 
 
