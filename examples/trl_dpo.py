@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM
 from trl import DPOConfig, DPOTrainer
-from trl_sft import byte_tokenizer, stdlib_lines, train
+from trl_sft import byte_tokenizer, stdlib_lines, tiny_llama, train
 
 from oomguard.integrations.transformers import OOMGuardTrainer
 
@@ -40,11 +39,6 @@ def build(
     **config: Any,
 ) -> DPOTrainer:  # fmt: skip
     """The trainer (``trainer_class=DPOTrainer`` for the unguarded reference); ``config``: more DPOConfig fields."""
-    torch.manual_seed(0)
-    llama = LlamaConfig(
-        vocab_size=258, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=1,
-    )  # fmt: skip
     args = DPOConfig(
         output_dir=output_dir,
         per_device_train_batch_size=8,  # pairs: the effective batch, split by oomguard only if memory requires it
@@ -61,7 +55,7 @@ def build(
         seed=0,
         **config,
     )
-    model = LlamaForCausalLM(llama)
+    model = tiny_llama()
     guarded = {} if trainer_class is DPOTrainer else {"oomguard": {"log_file": f"{output_dir}/oomguard.jsonl",
                                                                    **(oomguard or {})}}  # fmt: skip
     return trainer_class(

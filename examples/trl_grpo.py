@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM
 from trl import GRPOConfig, GRPOTrainer
-from trl_sft import byte_tokenizer, stdlib_lines, train
+from trl_sft import byte_tokenizer, stdlib_lines, tiny_llama, train
 
 from oomguard.integrations.transformers import OOMGuardTrainer
 
@@ -37,11 +36,6 @@ def build(
     **config: Any,
 ) -> GRPOTrainer:  # fmt: skip
     """The trainer (``trainer_class=GRPOTrainer`` for the unguarded reference); ``config``: more GRPOConfig fields."""
-    torch.manual_seed(0)
-    llama = LlamaConfig(
-        vocab_size=258, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=1,
-    )  # fmt: skip
     settings: dict[str, Any] = {
         "per_device_train_batch_size": 8,  # completions: the effective batch, split only if memory requires it
         "num_generations": 4,
@@ -61,7 +55,7 @@ def build(
     guarded = {} if trainer_class is GRPOTrainer else {"oomguard": {"log_file": f"{output_dir}/oomguard.jsonl",
                                                                     **(oomguard or {})}}  # fmt: skip
     return trainer_class(
-        model=LlamaForCausalLM(llama),
+        model=tiny_llama(),
         reward_funcs=vowels,
         args=args,
         train_dataset=Dataset.from_dict({"prompt": stdlib_lines(64)["text"]}),

@@ -46,14 +46,19 @@ def stdlib_lines(count: int = 96, length: int = 48) -> Dataset:
     return Dataset.from_dict({"text": lines[:count]})
 
 
-def build(
-    steps: int, output_dir: str, oomguard: dict[str, Any] | None = None, trainer_class: type[GuardedSFT] = GuardedSFT
-) -> GuardedSFT:
+def tiny_llama(positions: int = 128) -> LlamaForCausalLM:
+    """A small Llama over the byte tokenizer's 258 tokens, random weights from seed 0 (the same every call)."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=258, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+        num_key_value_heads=4, max_position_embeddings=positions, pad_token_id=0, bos_token_id=1, eos_token_id=1,
     )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def build(
+    steps: int, output_dir: str, oomguard: dict[str, Any] | None = None, trainer_class: type[GuardedSFT] = GuardedSFT
+) -> GuardedSFT:
     args = SFTConfig(
         output_dir=output_dir,
         per_device_train_batch_size=16,  # the effective batch: oomguard splits it only if memory requires it
@@ -70,7 +75,7 @@ def build(
         seed=0,
     )
     return trainer_class(
-        model=LlamaForCausalLM(config),
+        model=tiny_llama(positions=64),
         args=args,
         train_dataset=stdlib_lines(),
         processing_class=byte_tokenizer(),
