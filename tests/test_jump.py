@@ -159,3 +159,31 @@ def test_without_prediction_the_guard_walks_the_ladder_one_attempt_at_a_time() -
     _, peak, _ = _train(plain, forward, make, None, ladder=[])
     walked, _, _ = _train(model, forward, make, peak // 4, predictive=False)
     assert walked[0].ooms > 3, "the walk tries every rung in turn: what the jump saves"
+
+
+def test_a_step_that_reads_values_for_its_logs_jumps_as_one_that_does_not(caplog: pytest.LogCaptureFixture) -> None:
+    """Trainers read values in their loss for their logs (TRL's SFT, DPO, KTO and GRPO trainers: ``.item()``,
+    boolean masks), which fake tensors cannot give; every one of those steps used to fall back to walking the
+    ladder (TRL's SFT example: 3 OOMs; DPO 7). The planner now answers reads with placeholders and takes a
+    boolean mask's every element: the same jump, the same OOMs."""
+    model, forward, make = _nanogpt()
+    twin, plain = copy.deepcopy(model), copy.deepcopy(model)
+    _, peak, _ = _train(plain, forward, make, None, ladder=[])
+    logged: list[tuple[float, int]] = []
+
+    def reading(model: torch.nn.Module) -> Callable[[Any], Any]:
+        loss_of = forward(model)
+
+        def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            loss = loss_of(batch)
+            ids = batch["input_ids"]
+            logged.append((loss.item(), ids[ids > 0].numel()))  # a metric, a masked count
+            return loss
+
+        return step
+
+    quiet, _, _ = _train(twin, forward, make, peak // 4)
+    results, _, _ = _train(model, reading, make, peak // 4)
+    assert "dry run of this step failed" not in caplog.text
+    assert [r.ooms for r in results] == [r.ooms for r in quiet] and results[0].ooms >= 1
+    assert len(logged) >= STEPS and all(math.isfinite(loss) and count > 0 for loss, count in logged)

@@ -34,6 +34,7 @@ from oomguard._ladder.predict import PeakModel
 from oomguard._ladder.rungs import Rung, RungContext
 from oomguard._options import GuardOptions, build_runner, model_context
 from oomguard._planner.masks import unpadded_masks
+from oomguard._planner.reads import PlaceholderReads
 from oomguard._planner.report import Candidate, PlanReport, Target, device_overhead, tensor_budget
 from oomguard._planner.search import configurations, search
 from oomguard._planner.speed import DeviceSpeed, FlopCount
@@ -138,7 +139,8 @@ def dry_run(
     options = GuardOptions(model=model, optimizer=optimizer, ladder=ladder, max_grad_norm=max_grad_norm)
     runner = build_runner(step_fn, options, item_counter=batch_size)  # fake tensors hold no labels to count
     bench = _Bench(runner, batch, size, capacity, target, speed or DeviceSpeed())
-    with bench.probe, unpadded_masks():  # (the effects are undone inside: on the probe, not the caller's device)
+    # (the effects are undone inside: on the probe, not the caller's device; reads of values get placeholders)
+    with bench.probe, unpadded_masks(), PlaceholderReads():
         try:
             bench.probe.adopt(model, _tensors(batch))
             bench.run(split_batch(batch, 1)[0], Plan())  # a one-sample warm-up creates the optimizer state

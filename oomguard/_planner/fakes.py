@@ -70,10 +70,11 @@ def preplan(
                 label=type(model).__name__, ladder=options.rungs.rungs, max_grad_norm=options.max_grad_norm,
                 bf16=bf16, search_around=search_around, speed=speed, plans=plans,
             )  # fmt: skip
-    except Exception as error:  # a step the planner cannot run on fake tensors (one that reads values, say)
+    except Exception as error:  # a step the planner cannot run on fake tensors (an output sized by values, say)
         logger.warning(
-            "%s: the dry run of this step failed (%s: %s); walking the ladder instead. Steps that read "
-            "tensor values (.item(), printing) cannot be planned on fake tensors.",
+            "%s: the dry run of this step failed (%s: %s); walking the ladder instead. Fake tensors hold no "
+            "values: reads of them get placeholders (1.0, 1, False), but an output sized by values "
+            "(torch.unique, say) or a step that fails on a placeholder cannot be planned.",
             purpose,
             type(error).__name__,
             error,

@@ -1,0 +1,69 @@
+"""Planning steps that read tensor values: fake tensors hold none, so each read gets a placeholder.
+
+A step that reads a value (``loss.item()`` for a metric, ``float(x)``, ``if mask.any():``) cannot run on fake
+tensors as it is: the read raises, and the planner could not plan the step at all. Trainers read values all
+the time for their logs (TRL's SFT, DPO and GRPO trainers in ``compute_loss``), so the guard's jump fell back to
+walking the ladder one OOM at a time for exactly the jobs it is for. :class:`PlaceholderReads` answers every read
+of a fake tensor's value with a placeholder: ``1.0``, ``1`` or ``False`` (one, not zero, so that the counts
+metrics divide by stay divisors). A metric then logs a placeholder (the
+Trainer integration takes what the dry run recorded back), and a branch on a value follows the placeholder's
+way: the plan is of that path, a prediction the real step confirms or, by running out of memory, corrects. Indexing
+with a boolean mask (whose result's size is the count of its true values) takes every element: the most memory
+the real mask can need. A read whose placeholder breaks the step (a size made of it, a check that raises)
+leaves the step unplannable, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["PlaceholderReads"]
+
+_READ = torch.ops.aten._local_scalar_dense.default  # what .item(), float(), int() and bool() of a tensor run
+_NONZERO = torch.ops.aten.nonzero.default
+_INDEX = torch.ops.aten.index.Tensor  # x[mask]: the mask's true positions (its nonzero) index x
+
+
+class PlaceholderReads(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
+    """Answers each read of a fake tensor's value with ``1.0``, ``1`` or ``False`` (by its dtype), and a boolean
+    mask's ``nonzero`` with every index; counts them.
+
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> with FakeTensorMode(), PlaceholderReads() as reads:
+    ...     values = torch.ones(3).sum().item(), int(torch.ones(2, dtype=torch.long).sum()), bool(torch.ones(1) > 0)
+    ...     taken = torch.ones(4, 2)[torch.zeros(4, 2) > 0].shape
+    >>> values, taken, reads.count
+    ((1.0, 1, False), torch.Size([8]), 4)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.count = 0
+
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _READ and is_fake(args[0]):
+            self.count += 1
+            dtype = args[0].dtype
+            return False if dtype == torch.bool else 1.0 if dtype.is_floating_point or dtype.is_complex else 1
+        if func is _NONZERO and is_fake(args[0]):  # every element taken: the most memory the real mask can need
+            self.count += 1
+            mask = args[0]
+            return torch.empty((mask.numel(), mask.dim()), dtype=torch.long, device=mask.device)
+        if func is _INDEX and is_fake(args[0]) and any(_is_mask(index) for index in args[1]):
+            self.count += 1  # (each mask as that many positions, one index per dim it covers, as ATen expands it)
+            indices = []
+            for index in args[1]:
+                if _is_mask(index):
+                    indices += [torch.zeros(index.numel(), dtype=torch.long, device=index.device)] * index.dim()
+                else:
+                    indices.append(index)
+            return func(args[0], indices)
+        return func(*args, **(kwargs or {}))
+
+
+def _is_mask(index: torch.Tensor | None) -> bool:
+    return index is not None and index.dtype in (torch.bool, torch.uint8)
