@@ -27,8 +27,9 @@ from oomguard._step.batch import count_items, split_batch
 from oomguard._step.outside import OutsideLeaves, Saved
 
 logger = logging.getLogger("oomguard")
-#: Models already warned that micro-batches change their batch statistics (once per model, planner included).
-_WARNED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+#: Models already looked at for layers that micro-batches change (once per model, planner included: not a walk of
+#: every module on every split step).
+_CHECKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 __all__ = ["AttemptOutput", "StepRunner", "loss_of"]
 
@@ -328,13 +329,13 @@ def _warn_if_batch_statistics(model: torch.nn.Module, micro: int) -> None:
     batch's gradients; a BatchNorm layer normalises by the statistics of the samples it is given (and updates its
     running estimates from them), so the step is no longer the whole batch's, by an amount no one can bound here.
     """
-    if model in _WARNED:
+    if model in _CHECKED:
         return
+    _CHECKED.add(model)
     norms = [name for name, module in model.named_modules()
              if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training]  # fmt: skip
     if not norms:
         return
-    _WARNED.add(model)
     shown = ", ".join(norms[:3]) + (f" and {len(norms) - 3} more" if len(norms) > 3 else "")
     logger.warning(
         "micro-batches of %d: the model's BatchNorm layers in training mode (%s) now normalise by each micro-batch's "
