@@ -45,16 +45,27 @@ from oomguard._backends.dispatch import (
     AccountingMode,
     Paused,
     aligned,
+    all_host,
     compiled_model_note,
     cpu_storages,
+    host_outputs,
+    simulated_oom,
     tensors_of,
     to_meta,
     writes_and_allocates,
 )
 from oomguard._backends.memory import MemorySnapshot, copy_into, nbytes, pop_backend, push_backend, snapshot
-from oomguard._backends.units import format_bytes, parse_bytes
+from oomguard._backends.units import parse_bytes
 
 __all__ = ["AccountedDevice"]
+
+
+def _release(device: weakref.ref[AccountedDevice], key: int) -> None:
+    """A storage's finalizer. It holds its device weakly: the finalizer registry is a root, which would keep the
+    device (and all it refers to) alive as long as the storage lives."""
+    accounted = device()
+    if accounted is not None:
+        accounted._release(key)
 
 
 _Device = TypeVar("_Device", bound="AccountedDevice")
@@ -262,13 +273,8 @@ class AccountedDevice:
 
     # -- accounting internals ---------------------------------------------------------------------------
     def _oom(self, nbytes: int, pending: int = 0) -> torch.OutOfMemoryError:
-        free = self.capacity - self._allocated - pending  # (``pending``: the op's outputs before this one)
-        return torch.OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate {format_bytes(nbytes)}. Simulated GPU 0 has a total capacity "
-            f"of {format_bytes(self.capacity)} of which {format_bytes(max(0, free))} is free. Of the allocated "
-            f"memory {format_bytes(self._allocated)} is allocated by tensors. (simulated by "
-            f"oomguard.testing.SimulatedGPU; the wording follows CUDA's, so any OOM handler recognises it.)"
-        )
+        # (``pending``: the op's outputs before this one)
+        return simulated_oom(nbytes, self.capacity, self._allocated, self.capacity - self._allocated - pending)
 
     def _check(self, sizes: list[int], count_faults: bool = True) -> None:
         """Raise the OOM the device would raise for these allocations (made in order); track nothing."""
@@ -291,7 +297,7 @@ class AccountedDevice:
             for storage, size in zip(storages, sizes, strict=True):
                 key = id(storage)
                 self._tracked[key] = size
-                weakref.finalize(storage, self._release, key)
+                weakref.finalize(storage, _release, weakref.ref(self), key)  # (weakly: no cycle through the registry)
             self._allocated += sum(sizes)
             self.allocations += sum(1 for size in sizes if size)
             self._peak = max(self._peak, self._allocated)
@@ -300,6 +306,10 @@ class AccountedDevice:
     def _release(self, key: int) -> None:
         with self._lock:
             self._allocated -= self._tracked.pop(key, 0)
+
+    def live_storages(self) -> set[int]:
+        """Identities of the storages this device accounted (as device or host memory) that are still alive."""
+        return {*self._tracked, *self._host}
 
     def _resized(self, storage: torch.UntypedStorage, count_faults: bool) -> None:
         """A tracked storage changed size (``resize_``, ``set_``, ``out=``): account the growth or the release."""
@@ -360,8 +370,7 @@ class AccountedDevice:
             self._fail_in = fail_in  # it fits: the accounting after the op counts these allocations again
 
     def _all_host(self, storages: list[torch.UntypedStorage]) -> bool:
-        """Whether an op on these input storages runs on the host: it has some, and all are host memory."""
-        return bool(storages) and all(id(s) in self._host for s in storages)
+        return all_host(storages, self._host)
 
     def _account(self, func: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> None:
         inputs = cpu_storages((args, kwargs))
@@ -385,16 +394,4 @@ class AccountedDevice:
     def _host_outputs(
         self, func: torch._ops.OpOverload, args: Any, out: Any, inputs: list[torch.UntypedStorage]
     ) -> set[int]:
-        """The output storages that an op computed on the host (from host inputs only)."""
-        if not self._host:
-            return set()
-        if func.__name__.startswith("_foreach_") and isinstance(out, (list, tuple)):
-            lists = [arg for arg in args if isinstance(arg, (list, tuple)) and len(arg) == len(out)]
-            return {
-                id(result.untyped_storage())
-                for index, result in enumerate(out)
-                if isinstance(result, torch.Tensor) and self._all_host(cpu_storages([arg[index] for arg in lists]))
-            }
-        if self._all_host(inputs):
-            return {id(s) for s in cpu_storages(out)}
-        return set()
+        return host_outputs(func, args, out, inputs, self._host) if self._host else set()

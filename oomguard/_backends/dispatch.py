@@ -15,6 +15,8 @@ from torch.autograd.graph import increment_version
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from oomguard._backends.units import format_bytes
+
 __all__: list[str] = []
 
 _aten = torch.ops.aten
@@ -134,6 +136,38 @@ class AccountingMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             increment_version(stale)
         self.after(func, args, kwargs, out)
         return out
+
+
+def all_host(storages: list[torch.UntypedStorage], host: set[int]) -> bool:
+    """Whether an op on these input storages runs on the host: it has some, and all are ``host`` memory."""
+    return bool(storages) and all(id(s) in host for s in storages)
+
+
+def host_outputs(
+    func: torch._ops.OpOverload, args: Any, out: Any, inputs: list[torch.UntypedStorage], host: set[int]
+) -> set[int]:
+    """The output storages that an op computed on the host (from ``host`` inputs only; ``_foreach_`` ops decide
+    per list element)."""
+    if func.__name__.startswith("_foreach_") and isinstance(out, (list, tuple)):
+        lists = [arg for arg in args if isinstance(arg, (list, tuple)) and len(arg) == len(out)]
+        return {
+            id(result.untyped_storage())
+            for index, result in enumerate(out)
+            if isinstance(result, torch.Tensor) and all_host(cpu_storages([arg[index] for arg in lists]), host)
+        }
+    if all_host(inputs, host):
+        return {id(s) for s in cpu_storages(out)}
+    return set()
+
+
+def simulated_oom(nbytes: int, capacity: int, allocated: int, free: int) -> torch.OutOfMemoryError:
+    """The error a simulated device raises, worded as CUDA's so that any OOM handler recognises it."""
+    return torch.OutOfMemoryError(
+        f"CUDA out of memory. Tried to allocate {format_bytes(nbytes)}. Simulated GPU 0 has a total capacity "
+        f"of {format_bytes(capacity)} of which {format_bytes(max(0, free))} is free. Of the allocated "
+        f"memory {format_bytes(allocated)} is allocated by tensors. (simulated by "
+        f"oomguard.testing.SimulatedGPU; the wording follows CUDA's, so any OOM handler recognises it.)"
+    )
 
 
 def compiled_model_note(model: torch.nn.Module) -> str | None:
