@@ -9,6 +9,7 @@ led there, and the fix, in one message::
     ├── StepRollbackError        an optimizer step failed half-way and could not be undone
     ├── BatchSplitError          (also ValueError) the batch cannot be split into micro-batches
     ├── LossError                (also TypeError) the step function returned no usable loss
+    ├── NonFiniteLoss            (also FloatingPointError) the loss or gradient norm is NaN or infinite
     └── GuardConfigError         (also ValueError) the guard was configured wrongly
 
 Out-of-memory errors themselves are never wrapped: the guard recovers from them, and everything that is
@@ -29,6 +30,7 @@ __all__ = [
     "GuardConfigError",
     "LadderExhausted",
     "LossError",
+    "NonFiniteLoss",
     "OOMGuardError",
     "RecoveryLimitExceeded",
     "StepRollbackError",
@@ -88,6 +90,16 @@ class BatchSplitError(OOMGuardError, ValueError):
 
 class LossError(OOMGuardError, TypeError):
     """The step function returned something that is not a scalar loss with a gradient."""
+
+
+class NonFiniteLoss(OOMGuardError, FloatingPointError):
+    """The batch's loss, or its gradient norm, is NaN or infinite, so the step was not committed.
+
+    An optimizer step on such a batch would write NaN into every weight it touches (and into Adam's moments), which
+    no later step undoes. The model, optimizer and scheduler are as they were before the call: a caller may catch
+    this and skip the batch. Under fp16 mixed precision the gradient scaler skips such steps itself, as torch's
+    GradScaler does, and this is not raised.
+    """
 
 
 class GuardConfigError(OOMGuardError, ValueError):

@@ -359,15 +359,18 @@ def test_a_non_finite_loss_is_logged_as_null_with_a_flag(factor: float, flag: st
     step = mse_step(model)
     guard = OOMGuard(lambda batch: step(batch) * factor, model=model, optimizer=torch.optim.SGD(model.parameters()),
                      log_file=log, log_every=1)  # fmt: skip
+    # Only under fp16 does a non-finite loss make a committed step (its gradient scaler skips the update); on any
+    # other plan the call raises NonFiniteLoss and nothing is stepped (tests/test_dry_run.py).
+    guard.plan = Plan(precision="fp16")
     with SimulatedGPU(ROOMY) as gpu:
         gpu.adopt(model)
         guard(tuple_batch())
-        guard(tuple_batch(seed=2))  # the weights are NaN now (an infinite loss has NaN gradients): a NaN loss
+        guard(tuple_batch(seed=2))
     lines = log.read_text(encoding="utf-8").splitlines()
     events = [strict_json(line) for line in lines]
     progress = [event for event in events if event["event"] == "progress"]
     assert [event["loss"] for event in progress] == [None, None]
-    assert [event["non_finite"] for event in progress] == [{"loss": flag}, {"loss": "nan"}]
+    assert [event["non_finite"] for event in progress] == [{"loss": flag}, {"loss": flag}]
     assert progress[0]["memory"]["capacity"] == SimulatedGPU(ROOMY).capacity
 
 

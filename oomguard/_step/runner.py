@@ -7,12 +7,14 @@ in, so that the guard can say where an out-of-memory error struck after the exce
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import is_fake
 
 from oomguard._backends.memory import MemoryBackend
@@ -21,7 +23,7 @@ from oomguard._distributed.agreement import Agreement, Verdict, quiet_ddp
 from oomguard._distributed.peers import Outcome, peer_failure
 from oomguard._effects.effects import Effects
 from oomguard._effects.transaction import OptimizerTransaction, Scheduler
-from oomguard._errors import LossError, OOMGuardError
+from oomguard._errors import LossError, NonFiniteLoss, OOMGuardError
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._step.batch import count_items, split_batch
 from oomguard._step.outside import OutsideLeaves, Saved
@@ -95,6 +97,7 @@ class _Job:
     backend: MemoryBackend
     scaler: torch.amp.GradScaler | None  # fp16 only
     reduction: Reduction
+    commits: bool  # the attempt ends with the optimizer step (not left to the caller)
 
 
 class StepRunner:
@@ -184,15 +187,13 @@ class StepRunner:
         scaler = self.effects.scaler(plan)  # fp16 only; a fresh one per attempt, from the last committed state
         done = False
         try:
-            micro_batches, total = self._accumulate(
-                _Job(batch, size, plan, backend, scaler, reduction or self.reduction)
+            micro_batches, loss = self._accumulate(
+                _Job(batch, size, plan, backend, scaler, reduction or self.reduction, commits=step)
             )
             grad_norm = self._clip_and_step(plan, backend, scaler) if step else None
             done = True
             micro = plan.effective_micro_batch_size(size)
-            return AttemptOutput(
-                _value(total), grad_norm, micro_batches, micro, self.base, backend.max_memory_allocated()
-            )
+            return AttemptOutput(loss, grad_norm, micro_batches, micro, self.base, backend.max_memory_allocated())
         finally:
             if not done:
                 self.effects.reset()
@@ -217,10 +218,11 @@ class StepRunner:
         self.zero_grad()
         return grad_norm
 
-    def _accumulate(self, job: _Job) -> tuple[int, torch.Tensor | None]:
-        """Apply the plan, then forward and backward every micro-batch; agree with the other ranks."""
+    def _accumulate(self, job: _Job) -> tuple[int, float]:
+        """Apply the plan, then forward and backward every micro-batch; agree with the other ranks. Returns the
+        micro-batches run and the batch's loss."""
         failure: Exception | None = None
-        micro_batches, total = 0, None
+        micro_batches, total = 0, math.nan
         try:
             with quiet_ddp(self.ddp):
                 micro_batches, total = self._forward_backward(job)
@@ -246,7 +248,7 @@ class StepRunner:
                 self.agreement.average_gradients(self._params)
         return micro_batches, total
 
-    def _forward_backward(self, job: _Job) -> tuple[int, torch.Tensor | None]:
+    def _forward_backward(self, job: _Job) -> tuple[int, float]:
         plan, backend, scaler = job.plan, job.backend, job.scaler
         if self.effects.apply(plan, backend):
             self.transaction.invalidate()  # the step's memory profile changed with the plan
@@ -272,7 +274,7 @@ class StepRunner:
             contribution = loss.detach().float() * weight
             total = contribution if total is None else total + contribution
             del loss, weighted  # drop the graph's last references before the next micro-batch's forward
-        return len(parts), total
+        return len(parts), _loss_value(total, refuse_non_finite=job.commits and scaler is None)
 
     def _refuse_a_backward_of_its_own(self) -> None:
         """The gradients were dropped when the attempt began: any there now, the step function made itself."""
@@ -299,12 +301,48 @@ class StepRunner:
             if scaler is not None:
                 scaler.unscale_(self.optimizer)
             if self.accelerator is not None:  # unscales first where Accelerate scales the loss
-                return _value(self.accelerator.clip_grad_norm_(self._params, self.max_grad_norm))
-            return _value(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
+                norm = _value(self.accelerator.clip_grad_norm_(self._params, self.max_grad_norm))
+            else:
+                norm = _value(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
+            if scaler is None and not math.isfinite(norm) and detect_fake_mode() is None:
+                raise NonFiniteLoss(_non_finite("gradient norm", norm))  # (clipping scaled every gradient by it)
+            return norm
         except Exception as exc:
             if self.agreement is not None:  # the other ranks are about to agree after their step
                 self.agreement.after_step("oom" if _is_retryable(exc) else "fatal")
             raise
+
+
+def _loss_value(total: torch.Tensor | None, *, refuse_non_finite: bool) -> float:
+    """The batch's loss as a number (NaN where no micro-batch counted an item), or the error of a step that must
+    not commit: a loss that is a fake tensor outside the dry run (a tensor the planner made, kept by the step or
+    the model), or, where ``refuse_non_finite``, a NaN or infinite loss (one read of the device: the step waits
+    for the backward to finish, which it would before returning anyway)."""
+    if total is None:
+        return math.nan
+    if is_fake(total):
+        if detect_fake_mode() is not None:  # the dry run itself: fake tensors hold no values
+            return math.nan
+        raise LossError(
+            "the step's loss is a FakeTensor, which holds no values: a tensor the dry-run planner made (the jump "
+            "after an OOM, preplan=True, or tuning run the step on fake tensors) was kept somewhere the step or "
+            "the model reads it again (a warning said where, after that dry run). Nothing was stepped. Keep such "
+            "state in module attributes or buffers, in the step's closure or in the globals it names (the planner "
+            "puts those back), or turn the dry runs off: predictive=False, tune_after=None, preplan=False"
+        )
+    value = float(total)
+    if refuse_non_finite and not math.isfinite(value):
+        raise NonFiniteLoss(_non_finite("loss", value))
+    return value
+
+
+def _non_finite(what: str, value: float) -> str:
+    return (
+        f"the batch's {what} is {value}: nothing was stepped (the model, the optimizer and the scheduler are as "
+        f"they were before this call), since an optimizer step on it would write NaN into the weights it "
+        f"touches. Skip the batch (catch oomguard.NonFiniteLoss), lower the learning rate, or look for the "
+        f"diverging layer (torch.autograd.set_detect_anomaly)"
+    )
 
 
 def _value(tensor: torch.Tensor | None) -> float:
