@@ -92,6 +92,18 @@ class Effect:
         """Whether the model is changed by this effect now (then no other guard may take the model)."""
         return False
 
+    def suspended(self) -> contextlib.AbstractContextManager[None] | None:
+        """For a dry run of the model on fake tensors (the planner swaps fakes in for the parameters): a context
+        in which the model's structure is as if this effect held nothing (its hooks and patched methods out of the
+        way, each parameter's logical dtype), without moving any data; put back when the context ends. None where
+        nothing needs to step aside. An effect that holds the model and cannot step aside raises."""
+        if self.holds:
+            raise NotImplementedError(
+                f"{type(self).__name__} holds the model and does not say how to step aside for the planner's dry "
+                f"run (Effect.suspended); the planner cannot plan while it is engaged"
+            )
+        return None
+
     def after_backward(self) -> None:
         """The last micro-batch's backward is done: hand over what clipping and the optimizer step need."""
 

@@ -9,9 +9,10 @@ so while the rung is on), and the input-embedding hook transformers adds is remo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,6 +50,21 @@ class CheckpointingEffect(Effect):
     @property
     def holds(self) -> bool:
         return self._mode is not None
+
+    def suspended(self) -> contextlib.AbstractContextManager[None] | None:
+        if self._undo is None or self._mode is None:
+            return None
+        return self._off_for_a_while(self._mode, self._undo)
+
+    @contextlib.contextmanager
+    def _off_for_a_while(self, mode: CheckpointingMode, undo: Callable[[], None]) -> Iterator[None]:
+        """Checkpointing off (flags and wrappers only: no data moves), then on again in the same mode."""
+        undo()
+        self._undo = None
+        try:
+            yield
+        finally:
+            self._undo = enable_checkpointing(self.target.model, mode)
 
     def close(self) -> None:
         if self._undo is not None:

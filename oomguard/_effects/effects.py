@@ -92,6 +92,23 @@ class Effects:
         """Whether any effect has changed the model now (hooks, offloaded tensors, checkpointing)."""
         return any(effect.holds for effect in self._effects)
 
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """The model as if no effect held it, structurally and without moving data, for the planner's dry run on
+        fake tensors (see :meth:`Effect.suspended`); every effect back in place after. Another set of effects (the
+        planner's own) may take the model meanwhile."""
+        with contextlib.ExitStack() as stack:
+            for effect in reversed(self._effects):
+                context = effect.suspended()
+                if context is not None:
+                    stack.enter_context(context)
+            held = _HOLDERS.pop(self.target.model, None)
+            try:
+                yield
+            finally:
+                if held is not None:
+                    _HOLDERS[self.target.model] = held
+
     @property
     def offloaded_layers(self) -> int:
         """How many blocks are offloaded now."""

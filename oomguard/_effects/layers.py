@@ -9,7 +9,8 @@ Copies go through the memory backend's primitives only, so the same code runs on
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -280,6 +281,23 @@ class LayerOffloader:
         while self.blocks:
             self.restore_last()
 
+    @contextlib.contextmanager
+    def hooks_aside(self) -> Iterator[None]:
+        """Every streaming hook out of its table, and each table back as it was (its order too) after."""
+        tables: dict[int, tuple[dict[Any, Any], list[tuple[Any, Any]]]] = {}
+        for block in self.blocks:
+            for handle in block.handles:
+                table = handle.hooks_dict_ref()  # (a with_kwargs flag stays: keyed by an id no table holds now)
+                if table is not None:
+                    tables.setdefault(id(table), (table, list(table.items())))
+                    table.pop(handle.id, None)
+        try:
+            yield
+        finally:
+            for table, items in tables.values():
+                table.clear()
+                table.update(items)
+
 
 class _Recasts:
     """The saved-tensor hook share of layer offload: copies of streamed weights are made again in backward."""
@@ -341,6 +359,11 @@ class LayerOffloadEffect(Effect):
 
     def packer(self, plan: Plan, backend: MemoryBackend) -> Packer | None:
         return _Recasts(self._layers) if self._layers is not None and self._layers.blocks else None
+
+    def suspended(self) -> contextlib.AbstractContextManager[None] | None:
+        # Between steps a streamed parameter *is* its host copy (shape and dtype as the user made it): only the
+        # streaming hooks, which would fire on the planner's fakes, step aside.
+        return self._layers.hooks_aside() if self._layers is not None and self._layers.blocks else None
 
     def after_backward(self) -> None:
         """Hand offloaded blocks' host gradients to their parameters before clipping and the step."""

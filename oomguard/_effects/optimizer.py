@@ -158,6 +158,22 @@ class OptimizerOffloadEffect(Effect):
             hook.remove()
         self._hooks = []
 
+    def suspended(self) -> contextlib.AbstractContextManager[None] | None:
+        # The state lives on the optimizer, which the planner rebuilds; only halved weights must look like their
+        # fp32 masters (the planner fakes each parameter in its dtype).
+        return self._masters_in_place() if self._masters else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _masters_in_place(self) -> Iterator[None]:
+        halves = {param: param.data for param in self._masters}
+        try:
+            for param, master in self._masters.items():
+                param.data = master  # (no copy: the parameter points at its host master for a while)
+            yield
+        finally:
+            for param, half in halves.items():
+                param.data = half
+
     def _parameters(self) -> list[torch.nn.Parameter]:
         return [p for group in self.target.optimizer.param_groups for p in group["params"] if p.requires_grad]
 

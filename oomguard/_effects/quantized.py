@@ -128,6 +128,9 @@ class QuantizedOptimizerEffect(Effect):
     def optimizer_step(self, plan: Plan, backend: MemoryBackend) -> contextlib.AbstractContextManager[None] | None:
         return self._chunked() if plan.quantized_optimizer else None
 
+    def suspended(self) -> contextlib.AbstractContextManager[None] | None:
+        return None  # (it changes only the optimizer's state, and the planner rebuilds the optimizer)
+
     def _quantize_all(self) -> bool:
         """Every fp32 moment to 8 bits, one at a time (each frees its fp32 tensor as it goes)."""
         changed = False

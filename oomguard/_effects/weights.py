@@ -20,9 +20,11 @@ numbers. Layer offload ends the rung (an offloaded block's weights go to the hos
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +126,21 @@ class QuantizedWeightsEffect(Effect):
                 self._quantize(module, backend, bits)
                 changed = True
         return changed
+
+    def suspended(self) -> contextlib.AbstractContextManager[None] | None:
+        return self._plain_forwards() if self._layers else None
+
+    @contextlib.contextmanager
+    def _plain_forwards(self) -> Iterator[None]:
+        """Each quantized layer's own forward for a while (the planner fakes its weight in its shape and dtype)."""
+        forwards = {id(layer.module): vars(layer.module).pop("forward", None) for layer in self._layers.values()}
+        try:
+            yield
+        finally:
+            for layer in self._layers.values():
+                forward = forwards.get(id(layer.module))
+                if forward is not None:
+                    layer.module.forward = forward  # type: ignore[method-assign]
 
     def _quantize(self, module: torch.nn.Linear, backend: MemoryBackend, bits: int) -> None:
         weight = module.weight

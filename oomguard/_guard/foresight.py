@@ -97,11 +97,12 @@ class Foresight:
         """On the first OOM of a bucket that never fitted: the plan the dry-run planner predicts fits this batch,
         and the rungs it engages (None: walk the ladder, as after any other OOM, and where it cannot plan)."""
         if not (self.options.predictive and len(call.tried) == 1 and call.batch is not None
-                and not self.effects.holds and not distributed and call.choice.fallback is None
+                and not distributed and call.choice.fallback is None
                 and not self.buckets.fitted(call.choice.bucket)
                 and memory_was_short(failure.summary.message, self.device)):  # fmt: skip
             return None
-        report = preplan(self.step_fn, call.batch, self.options, call.backend, bf16=self.bf16, purpose="jump")
+        report = preplan(self.step_fn, call.batch, self.options, call.backend, bf16=self.bf16, purpose="jump",
+                         effects=self.effects)  # fmt: skip
         plan = None if report is None else report.recommended
         engaged = () if plan is None else self.ladder.changed(failure.plan, plan, call.size)
         return (engaged, plan) if plan is not None and engaged else None  # (none: it knows no better)
@@ -164,7 +165,7 @@ class Foresight:
             logger.warning("tuning: cannot measure this device's speed (%s: %s)", type(error).__name__, error)
             return []
         report = preplan(self.step_fn, batch, self.options, backend, bf16=self.bf16, purpose="tuning",
-                         search_around=settled, speed=speed)  # fmt: skip
+                         search_around=settled, speed=speed, effects=self.effects)  # fmt: skip
         if report is None:
             return []
         fitting = sorted((c for c in report.candidates if c.fits), key=lambda c: c.predicted_seconds)

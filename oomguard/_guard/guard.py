@@ -378,7 +378,7 @@ class OOMGuard:
             self._buckets.load(PlanStore(self.options.state_file, fingerprint, backend.identity(), writable=rank == 0))
         if self.options.preplan and not self._buckets.plans():  # a remembered plan beats a predicted one
             report = preplan(self._step_fn, batch, self.options, backend, bf16=self._context.bf16_supported,
-                             distributed=self._runner.agreement is not None)  # fmt: skip
+                             distributed=self._runner.agreement is not None, effects=self.effects)  # fmt: skip
             if report is not None and report.recommended is not None:
                 self.plan = report.recommended
         self._started = True  # only now: a first call that failed here starts over, state file included

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -41,14 +42,14 @@ from oomguard._planner.speed import DeviceSpeed, FlopCount
 from oomguard._step.batch import batch_size, items_per_sample, split_batch
 from oomguard._step.runner import StepRunner
 
-__all__ = ["dry_run"]
+__all__ = ["Residue", "dry_run"]
 
 _UNLIMITED = 2**62
 
 
 class _Probe(AccountedDevice):
     """An unlimited simulated device that notes in which phase usage first passed ``budget``, and the peak of
-    each phase."""
+    each phase. ``phase`` must not hold the runner: the probe's storage finalizers outlive the dry run."""
 
     def __init__(self, budget: int, phase: Callable[[], Phase]) -> None:
         super().__init__(_UNLIMITED, name="planner", on_allocate=self._note)
@@ -126,10 +127,15 @@ def dry_run(
     plans: Sequence[Plan] | None = None,
     speed: DeviceSpeed | None = None,
     search_around: Plan | None = None,
+    residue: Residue | None = None,
+    max_seconds: float | None = None,
 ) -> PlanReport:
     """Walk the ladder for ``batch`` on fake tensors (or measure just ``plans``, in order, if given; or search
     every configuration around the plan ``search_around``, :mod:`oomguard._planner.search`); recommend the
-    fitting plan predicted fastest by ``speed`` (a 6 GB consumer GPU by default).
+    fitting plan predicted fastest by ``speed`` (a 6 GB consumer GPU by default). ``residue``, where given, is
+    told the device the dry run accounted on, to see afterwards what it left alive. A dry run past ``max_seconds``,
+    or a step that reads more than :data:`~oomguard._planner.reads.MAX_READS` fake values, raises
+    :class:`~oomguard._planner.reads.DryRunLimit`.
 
     Everything passed in must already be fake: call it inside the ``FakeTensorMode`` that made the model, the
     optimizer and the batch. The model's effects are undone before it returns.
@@ -139,8 +145,11 @@ def dry_run(
     options = GuardOptions(model=model, optimizer=optimizer, ladder=ladder, max_grad_norm=max_grad_norm)
     runner = build_runner(step_fn, options, item_counter=batch_size)  # fake tensors hold no labels to count
     bench = _Bench(runner, batch, size, capacity, target, speed or DeviceSpeed())
+    if residue is not None:
+        residue.probe = bench.probe
+    bench.reads = PlaceholderReads(None if max_seconds is None else time.monotonic() + max_seconds)
     # (the effects are undone inside: on the probe, not the caller's device; reads of values get placeholders)
-    with bench.probe, unpadded_masks(), PlaceholderReads():
+    with bench.probe, unpadded_masks(), bench.reads:
         try:
             bench.probe.adopt(model, _tensors(batch))
             bench.run(split_batch(batch, 1)[0], Plan())  # a one-sample warm-up creates the optimizer state
@@ -178,11 +187,13 @@ class _Bench:
         self.runner, self.batch, self.size, self.capacity, self.target = runner, batch, size, capacity, target
         self.speed = speed
         self.budget = tensor_budget(capacity, target)
-        self.probe = _Probe(self.budget, lambda: runner.phase)
+        self.probe = _Probe(self.budget, _phase_of(runner))
+        self.reads = PlaceholderReads()
         self.candidates: list[Candidate] = []
 
     def run(self, batch: Any, plan: Plan) -> None:
         """One step, and then any interrupt that was held while its optimizer step ran."""
+        self.reads.new_step()
         try:
             self.runner.run(batch, batch_size(batch), plan, self.probe)
         finally:
@@ -217,6 +228,24 @@ class _Bench:
             return sum(p.numel() for g in target.optimizer.param_groups for p in g["params"] if p.requires_grad)
         blocks = target.blocks[: plan.offload_layers]
         return sum(p.numel() for block in blocks for p in block.parameters() if p.requires_grad)
+
+
+def _phase_of(runner: StepRunner) -> Callable[[], Phase]:
+    """The runner's phase, read through a weak reference (see :class:`_Probe`)."""
+    held = weakref.ref(runner)
+    return lambda: getattr(held(), "phase", Phase.DONE)
+
+
+@dataclasses.dataclass
+class Residue:
+    """What a dry run's device still holds once the dry run is over: the storages of fake tensors someone kept
+    (see :func:`oomguard._planner.isolation.leftovers`)."""
+
+    probe: AccountedDevice | None = None
+
+    def storages(self) -> set[int]:
+        """Identities of the dry run's storages still alive."""
+        return self.probe.live_storages() if self.probe is not None else set()
 
 
 def _walk(bench: _Bench, ladder: Ladder, context: RungContext, start: Plan | None = None) -> None:

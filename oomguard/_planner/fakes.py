@@ -11,25 +11,34 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._backends.units import available_bytes, format_bytes, requested_bytes
+from oomguard._effects.effects import Effects
 from oomguard._ladder.plan import Plan
 from oomguard._options import GuardOptions
-from oomguard._planner.engine import dry_run
+from oomguard._planner.engine import Residue, dry_run
+from oomguard._planner.isolation import Kept, leftovers
 from oomguard._planner.report import CUDA_CONTEXT_BYTES, PlanReport, Target
 from oomguard._planner.speed import DeviceSpeed
 
-__all__ = ["memory_was_short", "preplan"]
+__all__ = ["MAX_SECONDS", "memory_was_short", "preplan"]
 
 logger = logging.getLogger("oomguard")
+#: A bound on one dry run of the guard's (the jump, preplan, tuning), so that a step that cannot be planned never
+#: stalls training for long; past it the guard walks the ladder.
+MAX_SECONDS = 600.0
+#: Step functions whose dry run left fake tensors behind: never planned again.
+_LEAKY: weakref.WeakSet[Callable[[Any], Any]] = weakref.WeakSet()
 
 
 def preplan(
@@ -44,15 +53,23 @@ def preplan(
     search_around: Plan | None = None,
     speed: DeviceSpeed | None = None,
     plans: Sequence[Plan] | None = None,
+    effects: Effects | None = None,
 ) -> PlanReport | None:
     """The planner's answer for a guard's step on this device, or None (logged) where it cannot tell.
 
     ``purpose`` names the caller in the log lines: ``"preplan"`` (before the first step), ``"jump"`` (after the
     first OOM of a batch bucket) or ``"tuning"`` (which passes ``search_around``, the plan a bucket settled on,
-    and the ``speed`` of the device measured). ``plans`` measures just those (a benchmark's).
+    and the ``speed`` of the device measured). ``plans`` measures just those (a benchmark's). ``effects``, the
+    guard's, step aside while the planner runs (the model as the user made it; nothing moves).
+
+    The dry run leaves nothing behind (:mod:`oomguard._planner.isolation`): what the step and the model keep is
+    put back after it; where fake tensors escape all the same, the step is not planned again.
     """
     if distributed:  # the planner's steps would not take part in the process group's agreements
         logger.info("%s: not supported under torch.distributed yet", purpose)
+        return None
+    if step_fn in _LEAKY:
+        logger.info("%s: off for this step, whose dry run kept fake tensors (see the warning then)", purpose)
         return None
     model, optimizer = options.model, options.optimizer
     total = backend.total_memory()
@@ -63,22 +80,38 @@ def preplan(
     target: Target = "simulated" if backend.tracks_allocations else "cuda"
     resident = _resident_bytes(backend, model, optimizer)
     capacity = _limit(total, device, target) - (backend.memory_allocated() - resident)
+    residue = Residue()
+    report, failure = None, None
     try:
-        with _faked(model, optimizer, batch, cuda=device.type == "cuda") as (fake_optimizer, fake_batch):
-            report = dry_run(
-                step_fn, fake_batch, model=model, optimizer=fake_optimizer, capacity=capacity, target=target,
-                label=type(model).__name__, ladder=options.rungs.rungs, max_grad_norm=options.max_grad_norm,
-                bf16=bf16, search_around=search_around, speed=speed, plans=plans,
-            )  # fmt: skip
+        with _stepped_aside(effects), _isolated(model, step_fn):
+            report = _dry_run(step_fn, batch, options, capacity, target, device, residue, bf16=bf16,
+                              search_around=search_around, speed=speed, plans=plans)  # fmt: skip
     except Exception as error:  # a step the planner cannot run on fake tensors (an output sized by values, say)
+        failure = f"{type(error).__name__}: {error}"
+    # (outside the except block: its traceback, which holds the dry run's frames and their fakes, is gone)
+    escaped = leftovers(residue.storages)
+    if escaped:
+        _LEAKY.add(step_fn)
         logger.warning(
-            "%s: the dry run of this step failed (%s: %s); walking the ladder instead. Fake tensors hold no "
-            "values: reads of them get placeholders (1.0, 1, False), but an output sized by values "
-            "(torch.unique, say) or a step that fails on a placeholder cannot be planned.",
+            "%s: the dry run of this step left fake tensors behind, at %s: state kept where the planner cannot put "
+            "it back. The planner is off for this step from now on (the guard walks the ladder); a real step that "
+            "computes on such a tensor raises LossError instead of training on it. Keep such state in module "
+            "attributes or buffers, the step's closure or its own globals, or pass predictive=False, "
+            "tune_after=None",
             purpose,
-            type(error).__name__,
-            error,
+            ", ".join(escaped),
         )
+        return None
+    if failure is not None:
+        logger.warning(
+            "%s: the dry run of this step failed (%s); walking the ladder instead. Fake tensors hold no values: "
+            "reads of them get placeholders (1.0, 1, False), but an output sized by values (torch.unique, say) or "
+            "a step that fails on a placeholder cannot be planned.",
+            purpose,
+            failure,
+        )
+        return None
+    if report is None:
         return None
     if search_around is not None or plans is not None:
         return report
@@ -94,6 +127,50 @@ def preplan(
             format_bytes(capacity),
         )
     return report
+
+
+def _dry_run(
+    step_fn: Callable[[Any], Any], batch: Any, options: GuardOptions, capacity: int, target: Target,
+    device: torch.device, residue: Residue, **planning: Any,
+) -> PlanReport:  # fmt: skip
+    """:func:`dry_run` on fake copies of the guard's model, optimizer and batch (which no frame holds after)."""
+    model = options.model
+    with _faked(model, options.optimizer, batch, cuda=device.type == "cuda") as (fake_optimizer, fake_batch):
+        return dry_run(
+            step_fn, fake_batch, model=model, optimizer=fake_optimizer, capacity=capacity, target=target,
+            label=type(model).__name__, ladder=options.rungs.rungs, max_grad_norm=options.max_grad_norm,
+            residue=residue, max_seconds=MAX_SECONDS, **planning,
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _stepped_aside(effects: Effects | None) -> Iterator[None]:
+    """The guard's effects out of the planner's way (see :meth:`Effects.suspended`), if there are any."""
+    if effects is None or not effects.holds:
+        yield
+        return
+    with effects.suspended():
+        yield
+
+
+@contextlib.contextmanager
+def _isolated(model: torch.nn.Module, step_fn: Callable[[Any], Any]) -> Iterator[None]:
+    """What the step and the model keep, put back after the block; torch's global optimizer hooks (a user's step
+    counter, a profiler) do not see the planner's fake steps meanwhile."""
+    kept = Kept(model, step_fn)
+    hooks: tuple[dict[int, Any], ...] = (
+        torch_optimizer._global_optimizer_pre_hooks,
+        torch_optimizer._global_optimizer_post_hooks,
+    )
+    saved = [dict(table) for table in hooks]
+    for table in hooks:
+        table.clear()
+    try:
+        yield
+    finally:
+        for table, entries in zip(hooks, saved, strict=True):
+            table.update(entries)
+        kept.restore()
 
 
 def memory_was_short(message: str, device: torch.device) -> bool:

@@ -15,13 +15,25 @@ leaves the step unplannable, as before.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["PlaceholderReads"]
+__all__ = ["MAX_READS", "DryRunLimit", "PlaceholderReads"]
+
+#: Reads of fake values one dry-run step may make: far more than any trainer's metrics, far fewer than a loop on a
+#: tensor condition makes before it is noticed (``while not done.all():`` reads False for ever).
+MAX_READS = 10_000
+_CLOCK_EVERY = 256  # operations between two looks at the clock
+
+
+class DryRunLimit(RuntimeError):
+    """A dry run went past its bound on reads per step or on time: the step cannot be planned (the guard walks
+    the ladder instead)."""
+
 
 _READ = torch.ops.aten._local_scalar_dense.default  # what .item(), float(), int() and bool() of a tensor run
 _NONZERO = torch.ops.aten.nonzero.default
@@ -40,13 +52,33 @@ class PlaceholderReads(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     ((1.0, 1, False), torch.Size([8]), 4)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.count = 0
+        self.deadline = deadline  # a time.monotonic() past which every operation raises DryRunLimit
+        self._step_reads = self._ops = 0
+        self._over: str | None = None  # why the bound was reached: every later operation raises too
+
+    def new_step(self) -> None:
+        """A new dry-run step begins: its reads are counted from zero."""
+        self._step_reads = 0
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self._ops += 1
+        late = self.deadline is not None and self._ops % _CLOCK_EVERY == 0 and time.monotonic() > self.deadline
+        if self._over is None and late:
+            self._over = "the dry run ran past its time limit"
+        if self._over is not None:  # (raised again at every operation: a step that catches it still unwinds)
+            raise DryRunLimit(self._over)
         if func is _READ and is_fake(args[0]):
             self.count += 1
+            self._step_reads += 1
+            if self._step_reads > MAX_READS:
+                self._over = (
+                    f"the step read more than {MAX_READS} values of fake tensors in one dry-run step: a loop on a "
+                    f"tensor condition (while not done.all(): ...) never ends on placeholder values"
+                )
+                raise DryRunLimit(self._over)
             dtype = args[0].dtype
             return False if dtype == torch.bool else 1.0 if dtype.is_floating_point or dtype.is_complex else 1
         if func is _NONZERO and is_fake(args[0]):  # every element taken: the most memory the real mask can need

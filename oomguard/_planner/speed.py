@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import flop_registry
 
 __all__ = ["DeviceSpeed", "FlopCount", "measure_speed"]
@@ -105,13 +105,20 @@ def measure_speed(device: torch.device, backend: Any = None) -> DeviceSpeed:
     a host AdamW step.
 
     On the CPU (and a :class:`~oomguard.testing.SimulatedGPU`, whose device is the CPU) the tensors are host
-    memory made from numpy, so measuring allocates nothing a simulated budget counts; on CUDA they are small
-    device tensors (a few MiB).
+    memory, measured outside every dispatch mode, so measuring allocates nothing a simulated budget counts; on
+    CUDA they are small device tensors (a few MiB).
 
     >>> speed = measure_speed(torch.device("cpu"))
     >>> speed.gpu_tflops > 0 and speed.fp32_tflops > 0 and speed.op_seconds > 0
     True
     """
+    if device.type != "cuda":
+        with _disable_current_modes():  # (a simulator's accounting would count the tensors made here)
+            return _measured(device, None)
+    return _measured(device, backend)
+
+
+def _measured(device: torch.device, backend: Any) -> DeviceSpeed:
     cuda = device.type == "cuda"
     size = 2048 if cuda else 256
 
