@@ -13,6 +13,7 @@ import math
 import sys
 import types
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -380,3 +381,21 @@ def test_a_non_finite_gradient_norm_commits_nothing_when_clipping() -> None:
     with pytest.raises(NonFiniteLoss, match="gradient norm"):
         guard(tuple_batch())
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_a_trainer_planned_before_its_first_step_logs_the_metrics_of_its_real_steps(tmp_path: Path) -> None:
+    """Before: with preplan=True, TRL's SFTTrainer logged what compute_loss recorded on the dry run's fake tensors
+    (its first entropy 1.85 for 5.54: a placeholder's, and num_tokens 2 too high on every later line). The same
+    job restarted from the plan it saved (no dry run at all) logs the same figures."""
+    pytest.importorskip("trl")
+    from test_trl import assert_same_metrics, trl_sft
+
+    plans = str(tmp_path / "plans.json")
+    trainer = trl_sft.build(3, str(tmp_path / "planned"), oomguard={"preplan": True, "state_file": plans})
+    trl_sft.train(trainer, "16MiB")
+    assert trainer.oomguard.summary().ooms == 0, "planned before the first step: no OOM"
+    assert trainer.oomguard.plan.micro_batch_size is not None, "on a split plan"
+    restarted = trl_sft.build(3, str(tmp_path / "restarted"), oomguard={"state_file": plans})
+    trl_sft.train(restarted, "16MiB")
+    assert restarted.oomguard.plan == trainer.oomguard.plan and restarted.oomguard.summary().ooms == 0
+    assert_same_metrics(trainer, restarted)
