@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from oomguard._ladder.plan import ACTIVATION_PHASES, EVERY_PHASE, Phase, Plan, Precision
+from oomguard._ladder.plan import ACTIVATION_PHASES, EVERY_PHASE, Phase, Plan, Precision, keeps_master_weights
 
 __all__ = [
     "ActivationOffload",
@@ -240,9 +240,16 @@ class OptimizerOffload(_OneField):
             return None
         if not plan.optimizer_offload:
             return plan.replace(optimizer_offload=True, quantized_optimizer=False)  # (state on the host: in fp32)
-        if plan.optimizer_offload is True and plan.precision == "bf16" and not plan.offload_layers:
+        if plan.optimizer_offload is True and keeps_master_weights(plan.precision, plan.offload_layers):
             return None if context.distributed else plan.replace(optimizer_offload="master")
         return None
+
+    def at_level(self, plan: Plan, level: int, batch_size: int) -> Plan:
+        """``plan`` at ``level``; the master level only where ``plan`` can keep master weights (see
+        :func:`~oomguard._ladder.plan.keeps_master_weights`), the first level elsewhere: what would run."""
+        if level == 2 and not keeps_master_weights(plan.precision, plan.offload_layers):
+            level = 1
+        return super().at_level(plan, level, batch_size)
 
 
 @dataclass(frozen=True)
