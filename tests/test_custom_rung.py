@@ -192,6 +192,19 @@ def test_giving_a_rung_back_keeps_the_micro_batches_the_ladder_allows(ladder: li
     assert relaxed.micro_batch_size == micro_batch_size
 
 
+def test_predictive_sizing_splits_no_batch_on_a_ladder_without_micro_batch() -> None:
+    """Found with issue 23 (a plan the job saved must be one its ladder reaches): a new, larger bucket started on
+    micro-batches the peak model sized (53 of 64, x2) though micro_batch was not on the ladder."""
+    model = make_mlp(width=256)
+    guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     ladder=["amp"], tune_after=None)  # fmt: skip
+    with SimulatedGPU("200KiB") as gpu:
+        gpu.adopt(model)
+        results = [guard(tuple_batch(n=n)) for n in (8, 16, 64)]  # the peak model learns from the first two
+    assert [r.micro_batches for r in results] == [1, 1, 1]
+    assert results[-1].rungs == ("amp",), "the larger batch ran out of memory whole: amp answered it"
+
+
 # -- the ladder's levels: what distributed ranks agree on ------------------------------------------------------------
 
 PLANS = st.builds(

@@ -187,8 +187,8 @@ class Buckets:
     def _sized(self, plan: Plan, size: int, sizing: Callable[[Plan], int | None], grow: bool) -> Plan:
         """``plan`` with the micro-batch size the peak model predicts (not above ``plan``'s unless ``grow``)."""
         predicted = sizing(plan)
-        if predicted is None:
-            return plan
+        if predicted is None or (self.ladder.sizing is None and not grow):
+            return plan  # (a ladder without micro_batch never splits a batch to make it fit)
         current = plan.effective_micro_batch_size(size)
         target = max(self.ladder.min_micro_batch(size), min(size, predicted))
         if not grow:
