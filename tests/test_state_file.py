@@ -4,6 +4,7 @@ the event log."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -25,6 +26,7 @@ from oomguard._events import JsonlSink, ProgressEvent, log_event
 from oomguard._guard.buckets import Buckets
 from oomguard._guard.persist import PlanStore, model_fingerprint
 from oomguard._ladder.ladder import resolve_ladder
+from oomguard._ladder.rungs import RungContext
 from oomguard._step.batch import batch_bucket
 from oomguard.testing import SimulatedGPU
 
@@ -611,3 +613,49 @@ def test_one_warning_names_every_plan_ignored_and_the_plans_this_job_can_run_are
     assert set(guard.plans) == {small}
     (warning,) = warnings_about(caplog, state)
     assert "ignoring 2 saved plan" in warning and "quantized_optimizer" in warning and "'four'" in warning, warning
+
+
+#: What this job is (its context) against plans another job could have saved: the rung each is out of reach of.
+OUT_OF_REACH: dict[str, tuple[Plan, dict[str, Any], str]] = {
+    "state on the host, capturable optimizer": (
+        Plan(optimizer_offload=True),
+        {"optimizer_offloadable": False},
+        "optimizer_offload",
+    ),
+    "master weights under torch.distributed": (
+        Plan(precision="bf16", optimizer_offload="master"),
+        {"distributed": True},
+        "optimizer_offload",
+    ),
+    "master weights, no bf16 on this device": (
+        Plan(precision="bf16", optimizer_offload="master"),
+        {"bf16_supported": False},
+        "amp",
+    ),
+    "checkpointing a model the user checkpoints": (Plan(checkpointing="full"), {"checkpointed": True}, "checkpointing"),
+    "partial checkpointing of one block": (Plan(checkpointing="partial"), {"num_blocks": 1}, "checkpointing"),
+    "activations offloaded on a CPU-only run": (
+        Plan(activation_offload=True),
+        {"can_offload": False},
+        "activation_offload",
+    ),
+    "8-bit frozen weights, none frozen": (Plan(quantized_weights=True), {"frozen_linears": False}, "quantized_weights"),
+    "8-bit state beside state on the host": (
+        Plan(optimizer_offload=True, quantized_optimizer=True),
+        {},
+        "quantized_optimizer",
+    ),
+}
+EVERY_RUNG = [*DEFAULT_LADDER, "quantized_optimizer", "quantized_weights"]
+
+
+@pytest.mark.parametrize("case", list(OUT_OF_REACH))
+def test_a_plan_is_out_of_reach_where_a_rung_it_engages_cannot_go_there_in_this_context(case: str) -> None:
+    """What "can run" means, rung by rung: each rung's own preconditions (its escalate), for the whole plan."""
+    plan, facts, rung = OUT_OF_REACH[case]
+    ladder = resolve_ladder(EVERY_RUNG)
+    able = RungContext(batch_size=8, num_blocks=4, frozen_linears=True)
+    if facts:  # (the last plan is out of every ladder's reach: 8-bit state ends where the state goes to the host)
+        assert ladder.beyond(plan, able) == [], "where this job can run it, it is taken"
+    (reason,) = ladder.beyond(plan, dataclasses.replace(able, **facts))
+    assert f"out of reach of this guard's {rung} rung" in reason, reason
