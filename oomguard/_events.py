@@ -37,6 +37,7 @@ __all__ = [
     "RelaxEvent",
     "StateFileEvent",
     "TunedEvent",
+    "strict_json",
 ]
 
 logger = logging.getLogger("oomguard")
@@ -263,13 +264,19 @@ class JsonlSink:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def __call__(self, event: Event) -> None:
-        replaced: dict[str, str] = {}
-        data = _finite(event.to_dict(), "", replaced)
-        if replaced:  # strict JSON has no NaN or Infinity: null, and a note of what each stood for
-            data["non_finite"] = replaced
-        line = json.dumps(data, default=str, sort_keys=False, allow_nan=False)
+        line = json.dumps(strict_json(event.to_dict()), default=str, sort_keys=False, allow_nan=False)
         with self.path.open("a", encoding="utf-8") as log:
             log.write(line + "\n")
+
+
+def strict_json(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` as strict JSON can hold it (no NaN or Infinity): each non-finite number ``null``, and a
+    ``"non_finite"`` entry naming each by its dotted path (``"candidates.0.predicted_seconds": "inf"``)."""
+    replaced: dict[str, str] = {}
+    ready: dict[str, Any] = _finite(data, "", replaced)
+    if replaced:  # null, and a note of what each stood for
+        ready["non_finite"] = replaced
+    return ready
 
 
 def _finite(value: Any, path: str, replaced: dict[str, str]) -> Any:

@@ -263,3 +263,41 @@ def test_a_short_run_is_reported_and_plotted_step_by_step(tmp_path: Path, capsys
     assert sorted(e["step"] for e in events if e["event"] == "progress") == [0, 1, 2, 3, 4, 5]
     out = _report(log, capsys, "--plot", str(tmp_path / "short.png"))
     assert "6 steps logged (1 run(s)), " in out and (tmp_path / "short.png").is_file()
+
+
+#: Arguments ``oomguard plan`` cannot use (issue 23), and what its one-line answer must say.
+BAD_PLAN_ARGUMENTS: dict[str, tuple[list[str], str]] = {
+    "a LoRA rank past any int": (["--lora-rank", "99999999999999999999"], "LoRA rank"),
+    "a LoRA rank larger than the layers": (["--lora-rank", "100000"], "LoRA rank"),
+    "an infinite throughput": (["--gpu-tflops", "inf"], "gpu_tflops"),
+    "an infinite bandwidth": (["--link-gbps", "inf"], "link_gbps"),
+    "LoRA targets without a rank": (["--lora-targets", "q_proj"], "--lora-targets"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PLAN_ARGUMENTS))
+def test_a_plan_argument_it_cannot_use_is_one_line_and_status_2(case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found in issue 23: a traceback (the rank), an answer computed from infinity (the throughput), targets
+    silently ignored (LoRA targets without a rank)."""
+    arguments, expected = BAD_PLAN_ARGUMENTS[case]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "gpt2", *_PLAN_ARGS, *arguments])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert err.count("\n") == 1 and err.startswith("oomguard plan: ") and expected in err, err
+    assert "Traceback" not in err and len(err) < 400
+
+
+def test_plan_json_is_strict_json_with_non_finite_numbers_as_null(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found in issue 23: a predicted time past the float range was printed as ``Infinity``, which no strict JSON
+    reader (``jq``, ``json.loads(..., parse_constant=...)`` refusing it) accepts."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    status = main(["plan", "--model", "gpt2", *_PLAN_ARGS, "--target", "simulated", "--gpu-tflops", "1e-320", "--json"])
+    answer = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert status == 0 and answer["fits"] is True
+    assert answer["predicted_seconds"] is None and answer["non_finite"]["predicted_seconds"] == "inf"
+    assert all(candidate["predicted_seconds"] is None for candidate in answer["candidates"])
+    assert answer["non_finite"]["candidates.0.predicted_seconds"] == "inf"

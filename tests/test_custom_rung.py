@@ -4,6 +4,7 @@ the summary, stepping back up, the state file and the agreement of distributed r
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,34 @@ def test_a_remembered_custom_rung_is_restored_from_the_state_file(tmp_path: Path
     assert APPLIED == [("apply", 1), ("apply", 1)], "each job's own effect applied it"
 
 
+def test_a_remembered_custom_rung_this_guard_does_not_have_is_ignored_not_reported_engaged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found in issue 23: a job without the toy rung loaded a plan engaging it, ran no effect for it, and reported
+    it engaged in its results, events and summary."""
+    state, log = tmp_path / "plans.json", tmp_path / "events.jsonl"
+    model = make_mlp()
+    saver = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     ladder=[Toy()], state_file=state)  # fmt: skip
+    saver.plan = Plan().with_level("toy", 1)
+    with SimulatedGPU("64MiB") as gpu:
+        gpu.adopt(model)
+        saver(tuple_batch())
+        saver.close()
+        assert '"toy": 1' in state.read_text()
+        caplog.set_level(logging.WARNING, logger="oomguard")
+        caplog.clear()  # (the first job's warning: it found no state file yet)
+        other = make_mlp()
+        guard = OOMGuard(mse_step(other), model=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
+                         state_file=state, log_file=log, log_every=1)  # fmt: skip
+        gpu.adopt(other)
+        results = [guard(tuple_batch(seed=seed)) for seed in range(2)]
+    assert [(r.plan, r.rungs) for r in results] == [(Plan(), ())] * 2
+    assert "toy" not in json.dumps(guard.summary().steps_by_rung) and "toy" not in log.read_text()
+    (warning,) = [r.getMessage() for r in caplog.records if str(state) in r.getMessage()]
+    assert "toy" in warning and "not on this guard's ladder" in warning, warning
+
+
 def test_closing_the_guard_undoes_the_custom_effect() -> None:
     model = make_mlp()
     guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -161,6 +190,19 @@ def test_giving_a_rung_back_keeps_the_micro_batches_the_ladder_allows(ladder: li
     assert (event.rung, event.outcome) == ("amp", "held")
     assert relaxed.plan.precision is None
     assert relaxed.micro_batch_size == micro_batch_size
+
+
+def test_predictive_sizing_splits_no_batch_on_a_ladder_without_micro_batch() -> None:
+    """Found with issue 23 (a plan the job saved must be one its ladder reaches): a new, larger bucket started on
+    micro-batches the peak model sized (53 of 64, x2) though micro_batch was not on the ladder."""
+    model = make_mlp(width=256)
+    guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     ladder=["amp"], tune_after=None)  # fmt: skip
+    with SimulatedGPU("200KiB") as gpu:
+        gpu.adopt(model)
+        results = [guard(tuple_batch(n=n)) for n in (8, 16, 64)]  # the peak model learns from the first two
+    assert [r.micro_batches for r in results] == [1, 1, 1]
+    assert results[-1].rungs == ("amp",), "the larger batch ran out of memory whole: amp answered it"
 
 
 # -- the ladder's levels: what distributed ranks agree on ------------------------------------------------------------

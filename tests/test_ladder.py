@@ -17,9 +17,15 @@ from conftest import (
     mse_step,
     tuple_batch,
 )
+from test_planner import lm_batch as planner_batch
+from test_planner import model_step
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import LadderExhausted, OOMGuard, Plan, oom_guard
-from oomguard._ladder.rungs import Amp
+from oomguard._ladder.ladder import resolve_ladder
+from oomguard._ladder.rungs import Amp, RungContext
+from oomguard._planner.engine import dry_run
+from oomguard._planner.search import configurations
 from oomguard.testing import SimulatedGPU
 
 LAYERS, HIDDEN = 4, 64
@@ -330,3 +336,59 @@ def test_the_effects_keep_the_device_type_they_were_built_on() -> None:
     target = EffectTarget(model, torch.optim.SGD(model.parameters(), lr=0.1), list(model))
     model[0].weight = torch.nn.Parameter(torch.empty(4, 4, device="meta"))  # the first parameter is elsewhere now
     assert target.device_type == "cpu"
+
+
+# -- a plan says what runs: optimizer offload's master level (issue 23) ------------------------------------------
+
+MASTER = Plan(precision="bf16", optimizer_offload="master")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"precision": "fp16"}, {"precision": "bf16", "offload_layers": 1}],
+    ids=["fp32", "fp16", "offloaded layers"],
+)
+def test_a_master_plan_that_would_not_keep_master_weights_is_refused_where_it_is_written(fields: Any) -> None:
+    """Found in issue 23: ``Plan(optimizer_offload="master")`` without bf16 (or with offloaded layers) ran the first
+    level (fp32 weights on the device) but was described, reported and logged as the master level."""
+    with pytest.raises(ValueError, match=r"optimizer_offload='master' keeps .* only with precision='bf16' and no "):
+        Plan(optimizer_offload="master", **fields)
+    with pytest.raises(ValueError, match="optimizer_offload=True"):  # the error names the plan that would run
+        Plan.from_dict({"optimizer_offload": "master", **fields})
+
+
+def test_a_change_that_takes_away_what_the_master_level_needs_takes_the_master_level_away() -> None:
+    """Everything that derives plans (relaxing a rung, the ranks' agreement, the planner's search) changes fields
+    one at a time: a plan that loses bf16 or gains offloaded layers keeps its optimizer state on the host, no more."""
+    for changed in (MASTER.replace(precision=None), MASTER.replace(precision="fp16"), MASTER.replace(offload_layers=2)):
+        assert changed.optimizer_offload is True and "master" not in changed.describe(), changed
+    rung, relaxed = resolve_ladder(["optimizer_offload", "amp"]).relax(MASTER, 8)  # amp engaged before the master
+    assert (rung.name, relaxed.precision, relaxed.optimizer_offload) == ("amp", None, True)
+    ladder = resolve_ladder(None)
+    fp16_rank = Plan(precision="fp16", optimizer_offload=True)
+    levels = [max(a, b) for a, b in zip(ladder.levels(MASTER, 8), ladder.levels(fp16_rank, 8), strict=True)]
+    assert ladder.at_levels(MASTER, levels, 8) == fp16_rank, "the ranks agree on fp16: no master weights"
+    context = RungContext(batch_size=8, num_blocks=2)
+    planned = [plan for _, plan in configurations(MASTER, ladder, context)]
+    assert Plan(optimizer_offload=True) in planned and all(
+        plan.precision == "bf16" for plan in planned if plan.optimizer_offload == "master"
+    )
+
+
+def test_the_planner_without_bf16_recommends_no_master_weights(tmp_path: Path) -> None:
+    """The master level keeps bf16 weights: ``oomguard plan --no-bf16`` measured it in bf16 and offered it as
+    fp16 with fp32 masters, a plan that runs the first level (whose peak it had not measured)."""
+
+    def planned(capacity: int, plans: list[Plan] | None = None, bf16: bool = True) -> Any:
+        with FakeTensorMode():
+            model = make_llama(layers=2, hidden=64)
+            return dry_run(
+                model_step(model), planner_batch(1, 4), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                capacity=capacity, target="simulated", label="llama", plans=plans, max_grad_norm=1.0, bf16=bf16,
+            )  # fmt: skip
+
+    state, master = (c.peak_bytes for c in planned(2**40, [MASTER.replace(optimizer_offload=True), MASTER]).candidates)
+    report = planned((state + master) // 2, bf16=False)  # where the master level is the only plan without streaming
+    assert report.candidates and all(c.plan.precision != "bf16" for c in report.candidates)
+    assert not any(c.plan.optimizer_offload == "master" for c in report.candidates), report.table()
+    assert report.recommended is None or report.recommended.offload_layers > 0

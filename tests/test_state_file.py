@@ -4,6 +4,7 @@ the event log."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -17,14 +18,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_mlp, mse_step, tuple_batch
+from conftest import VOCAB, make_llama, make_mlp, mse_step, tuple_batch
 
-from oomguard import GuardConfigError, OOMGuard, Plan
+from oomguard import GuardConfigError, MicroBatch, OOMGuard, Plan
 from oomguard._backends.memory import MemorySnapshot
 from oomguard._events import JsonlSink, ProgressEvent, log_event
 from oomguard._guard.buckets import Buckets
 from oomguard._guard.persist import PlanStore, model_fingerprint
 from oomguard._ladder.ladder import resolve_ladder
+from oomguard._ladder.rungs import RungContext
 from oomguard._step.batch import batch_bucket
 from oomguard.testing import SimulatedGPU
 
@@ -426,3 +428,237 @@ def test_the_guard_says_so_in_its_event_log_once_when_the_state_file_cannot_be_w
     logged = [json.loads(line) for line in log.read_text().splitlines()]
     assert [e["event"] for e in logged].count("state_file") == 1
     assert guard.steps == 3
+
+
+# -- 7. remembered plans this job cannot run (issue 23) ----------------------------------------------------------
+
+DEFAULT_LADDER = ["micro_batch", "amp", "checkpointing", "activation_offload", "optimizer_offload", "layer_offload"]
+
+
+class SubclassedAdamW(torch.optim.AdamW):
+    """An AdamW of the user's own (a subclass): its step may do anything, so its state is not kept in 8 bits."""
+
+
+def lora_llama() -> torch.nn.Module:
+    """A PEFT LoRA Llama (hidden 128) with adapters on the attention projections that move from the first step."""
+    peft = pytest.importorskip("peft")
+    model = make_llama(layers=2, hidden=128)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM",
+                             lora_dropout=0.0)  # fmt: skip
+    torch.manual_seed(3)
+    lora: torch.nn.Module = peft.get_peft_model(model, config)
+    for name, param in lora.named_parameters():
+        if "lora_B" in name:  # (B starts at zero: nudged, so the adapters' update depends on the frozen weights)
+            torch.nn.init.normal_(param, std=0.02)
+    return lora
+
+
+def lora_job(state: Path | None, ladder: list[Any] | None, plan: Plan | None = None, steps: int = 3) -> Any:
+    """A LoRA job trained with AdamW for ``steps`` steps under a roomy SimulatedGPU; the model, guard, results."""
+    model = lora_llama()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    guard = OOMGuard(lambda batch: model(**batch), model=model, optimizer=optimizer, state_file=state,
+                     ladder=ladder, tune_after=None)  # fmt: skip
+    if plan is not None:
+        guard.plan = plan
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        results = [guard({"input_ids": ids, "labels": ids.clone()}) for _ in range(steps)]
+    return model, guard, results
+
+
+def test_an_exact_job_does_not_train_on_the_4bit_plan_an_opted_in_job_saved_in_its_state_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found in issue 23: both jobs fine-tune the same model on the same device, so their plans share a key; the
+    exact job (the default ladder) trained on the opted-in job's 4-bit frozen weights, adapters 0.044 off after
+    3 steps, and said nothing."""
+    state = tmp_path / "plans.json"
+    lora_job(state, [*DEFAULT_LADDER, "quantized_weights"], Plan(quantized_weights="4bit"), steps=1)
+    assert '"quantized_weights": "4bit"' in state.read_text(), "the opted-in job saved its plan"
+    caplog.set_level(logging.WARNING, logger="oomguard")
+    caplog.clear()  # (the first job's warning: it found no state file yet)
+    exact, guard, results = lora_job(state, None)
+    reference, _, _ = lora_job(None, None)
+    assert [r.plan for r in results] == [Plan()] * 3 and guard.steps == 3
+    trained = {n: p for n, p in exact.named_parameters() if p.requires_grad}
+    assert all(torch.equal(trained[n], p) for n, p in reference.named_parameters() if p.requires_grad)
+    (warning,) = warnings_about(caplog, state)
+    assert "quantized_weights" in warning and "not on this guard's ladder" in warning, warning
+
+
+def saved_by(state: Path, plan: Plan, **options: Any) -> None:
+    """One step of an AdamW job on ``plan``, which saves it in ``state``."""
+    model = make_mlp()
+    guard = OOMGuard(mse_step(model), model=model, optimizer=adamw(model), state_file=state, **options)
+    guard.plan = plan
+    with SimulatedGPU(ROOMY) as gpu:
+        gpu.adopt(model)
+        guard(tuple_batch())
+
+
+def tampered(state: Path, **fields: Any) -> None:
+    """Change plan fields of every entry in ``state``, as a hand edit (or another version's writer) would."""
+    document = json.loads(state.read_text(encoding="utf-8"))
+    for entry in document["plans"].values():
+        entry["plan"].update(fields)
+    state.write_text(json.dumps(document), encoding="utf-8")
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters())
+
+
+def llama_step(model: torch.nn.Module) -> Any:
+    return lambda batch: model(**batch)
+
+
+#: Plans a job saved that another job sharing the file cannot run: how the first saves it, the second's options,
+#: and what the warning must name.
+UNRUNNABLE: dict[str, tuple[Any, dict[str, Any], str]] = {
+    "8-bit state loaded by an SGD job": (
+        lambda state: saved_by(state, Plan(quantized_optimizer=True), ladder=[*DEFAULT_LADDER, "quantized_optimizer"]),
+        {"optimizer": torch.optim.SGD, "ladder": [*DEFAULT_LADDER, "quantized_optimizer"]},
+        "quantized_optimizer",
+    ),
+    "8-bit state loaded by a subclass of AdamW": (
+        lambda state: saved_by(state, Plan(quantized_optimizer=True), ladder=[*DEFAULT_LADDER, "quantized_optimizer"]),
+        {"optimizer": SubclassedAdamW, "ladder": [*DEFAULT_LADDER, "quantized_optimizer"]},
+        "quantized_optimizer",
+    ),
+    "8-bit state loaded by a job that did not opt in": (
+        lambda state: saved_by(state, Plan(quantized_optimizer=True), ladder=[*DEFAULT_LADDER, "quantized_optimizer"]),
+        {"optimizer": torch.optim.AdamW, "ladder": None},
+        "quantized_optimizer",
+    ),
+    "bf16 loaded by a job whose ladder has no amp": (
+        lambda state: saved_by(state, Plan(precision="bf16")),
+        {"optimizer": torch.optim.AdamW, "ladder": ["micro_batch"]},
+        "amp",
+    ),
+    "micro-batches below the ladder's smallest": (
+        lambda state: saved_by(state, Plan(micro_batch_size=1)),
+        {"optimizer": torch.optim.AdamW, "ladder": [MicroBatch(min_size=4), "amp"]},
+        "micro_batch",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNRUNNABLE))
+def test_a_saved_plan_this_job_cannot_run_is_ignored_with_one_warning(
+    case: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found in issue 23: such a plan was taken as it was, and either trained in silence on what this job never
+    allowed, or failed every call with advice about a ladder the user never set."""
+    state = tmp_path / "plans.json"
+    save, options, named = UNRUNNABLE[case]
+    save(state)
+    caplog.set_level(logging.WARNING, logger="oomguard")
+    caplog.clear()  # (the first job's warning: it found no state file yet)
+    model = make_mlp()
+    guard = OOMGuard(mse_step(model), model=model, optimizer=options["optimizer"](model.parameters()),
+                     ladder=options["ladder"], state_file=state)  # fmt: skip
+    with SimulatedGPU(ROOMY) as gpu:
+        gpu.adopt(model)
+        results = [guard(tuple_batch(seed=seed)) for seed in range(2)]
+    assert [(r.plan, r.ooms) for r in results] == [(Plan(), 0)] * 2, "a fresh start: the batch fits whole"
+    (warning,) = warnings_about(caplog, state)
+    assert "ignoring 1 saved plan" in warning and named in warning, warning
+
+
+def test_a_tampered_plan_offloading_more_layers_than_the_model_has_is_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = tmp_path / "plans.json"
+    batch = {"input_ids": torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))}
+    batch["labels"] = batch["input_ids"]
+
+    def job() -> tuple[torch.nn.Module, OOMGuard]:
+        model = make_llama(layers=2)
+        return model, OOMGuard(llama_step(model), model=model, optimizer=adamw(model), state_file=state)
+
+    model, guard = job()
+    guard.plan = Plan(offload_layers=2)
+    with SimulatedGPU("64MiB") as gpu:
+        gpu.adopt(model)
+        guard(batch)
+    tampered(state, offload_layers=5)
+    caplog.set_level(logging.WARNING, logger="oomguard")
+    caplog.clear()  # (the first job's warning: it found no state file yet)
+    model, guard = job()
+    with SimulatedGPU("64MiB") as gpu:
+        gpu.adopt(model)
+        result = guard(batch)
+    assert (result.plan, guard.steps) == (Plan(), 1)
+    (warning,) = warnings_about(caplog, state)
+    assert "layer_offload" in warning and "5" in warning, warning
+
+
+def test_one_warning_names_every_plan_ignored_and_the_plans_this_job_can_run_are_used(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = make_mlp()
+    prefix = f"{model_fingerprint(model)}|{SimulatedGPU(ROOMY).identity()}|"
+    small, large = batch_bucket(tuple_batch(n=8)), batch_bucket(tuple_batch(n=16))
+    state = tmp_path / "plans.json"
+    state.write_bytes(document({
+        f"{prefix}{small}": {"plan": Plan(micro_batch_size=4).to_dict()},
+        f"{prefix}{large}": {"plan": Plan(quantized_optimizer=True).to_dict()},  # SGD: no 8-bit state
+        f"{prefix}{4 * large}": {"plan": {"micro_batch_size": "four"}},
+    }))  # fmt: skip
+    caplog.set_level(logging.WARNING, logger="oomguard")
+    guard = sgd_guard(model, state_file=state, relax_after=None)
+    assert set(guard.plans) == set()
+    with SimulatedGPU(ROOMY) as gpu:
+        gpu.adopt(model)
+        assert guard(tuple_batch(n=8)).plan == Plan(micro_batch_size=4), "the plan it can run: taken"
+    assert set(guard.plans) == {small}
+    (warning,) = warnings_about(caplog, state)
+    assert "ignoring 2 saved plan" in warning and "quantized_optimizer" in warning and "'four'" in warning, warning
+
+
+#: What this job is (its context) against plans another job could have saved: the rung each is out of reach of.
+OUT_OF_REACH: dict[str, tuple[Plan, dict[str, Any], str]] = {
+    "state on the host, capturable optimizer": (
+        Plan(optimizer_offload=True),
+        {"optimizer_offloadable": False},
+        "optimizer_offload",
+    ),
+    "master weights under torch.distributed": (
+        Plan(precision="bf16", optimizer_offload="master"),
+        {"distributed": True},
+        "optimizer_offload",
+    ),
+    "master weights, no bf16 on this device": (
+        Plan(precision="bf16", optimizer_offload="master"),
+        {"bf16_supported": False},
+        "amp",
+    ),
+    "checkpointing a model the user checkpoints": (Plan(checkpointing="full"), {"checkpointed": True}, "checkpointing"),
+    "partial checkpointing of one block": (Plan(checkpointing="partial"), {"num_blocks": 1}, "checkpointing"),
+    "activations offloaded on a CPU-only run": (
+        Plan(activation_offload=True),
+        {"can_offload": False},
+        "activation_offload",
+    ),
+    "8-bit frozen weights, none frozen": (Plan(quantized_weights=True), {"frozen_linears": False}, "quantized_weights"),
+    "8-bit state beside state on the host": (
+        Plan(optimizer_offload=True, quantized_optimizer=True),
+        {},
+        "quantized_optimizer",
+    ),
+}
+EVERY_RUNG = [*DEFAULT_LADDER, "quantized_optimizer", "quantized_weights"]
+
+
+@pytest.mark.parametrize("case", list(OUT_OF_REACH))
+def test_a_plan_is_out_of_reach_where_a_rung_it_engages_cannot_go_there_in_this_context(case: str) -> None:
+    """What "can run" means, rung by rung: each rung's own preconditions (its escalate), for the whole plan."""
+    plan, facts, rung = OUT_OF_REACH[case]
+    ladder = resolve_ladder(EVERY_RUNG)
+    able = RungContext(batch_size=8, num_blocks=4, frozen_linears=True)
+    if facts:  # (the last plan is out of every ladder's reach: 8-bit state ends where the state goes to the host)
+        assert ladder.beyond(plan, able) == [], "where this job can run it, it is taken"
+    (reason,) = ladder.beyond(plan, dataclasses.replace(able, **facts))
+    assert f"out of reach of this guard's {rung} rung" in reason, reason

@@ -72,11 +72,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--lora-targets",
-        default="all-linear",
-        help="the layers LoRA adapts: all-linear (every linear layer but the output head; default) or names, "
-        "comma-separated, e.g. q_proj,v_proj",
+        default=None,
+        help="with --lora-rank, the layers LoRA adapts: all-linear (every linear layer but the output head; "
+        "default) or names, comma-separated, e.g. q_proj,v_proj",
     )
-    plan.add_argument("--json", action="store_true", help="print the answer as JSON")
+    plan.add_argument(
+        "--json", action="store_true", help="print the answer as strict JSON (a non-finite number is null)"
+    )
     plan.set_defaults(run=_run_plan)
     return parser
 
@@ -90,12 +92,17 @@ def _presets() -> list[str]:
 def _run_plan(args: argparse.Namespace) -> int:
     import json
 
+    from oomguard._events import strict_json
     from oomguard._planner.api import plan
+    from oomguard._planner.lora import ALL_LINEAR
     from oomguard._planner.speed import DeviceSpeed
 
     given = {"gpu_tflops": args.gpu_tflops, "link_gbps": args.link_gbps}
     ladder = None if args.ladder is None else _names(args.ladder)
-    targets = args.lora_targets if args.lora_targets == "all-linear" else _names(args.lora_targets)
+    if args.lora_targets is not None and args.lora_rank is None:  # (planned as a full fine-tune, it would be ignored)
+        bad_input("plan", "--lora-targets names the layers a LoRA fine-tune adapts: give --lora-rank R too")
+    targets = args.lora_targets or ALL_LINEAR
+    targets = targets if targets == ALL_LINEAR else _names(targets)
     try:
         speed = DeviceSpeed(**{name: value for name, value in given.items() if value is not None})
         report = plan(
@@ -105,7 +112,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         )  # fmt: skip
     except ValueError as error:  # bad input: a model, a config.json or an argument the planner cannot use
         bad_input("plan", error)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.table())
+    # --json is strict JSON (what jq reads): a predicted time past the float range is null, named in non_finite
+    print(json.dumps(strict_json(report.to_dict()), indent=2, allow_nan=False) if args.json else report.table())
     return 0 if report.fits else 1
 
 

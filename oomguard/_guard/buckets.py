@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -29,6 +30,7 @@ from oomguard._guard.persist import UNSAVED_ADVICE, PlanStore
 from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Plan
 from oomguard._ladder.predict import PeakModel
+from oomguard._ladder.rungs import RungContext
 
 __all__ = ["Buckets", "Choice", "weakly"]
 
@@ -106,10 +108,12 @@ class Buckets:
         """The current plan of every bucket seen."""
         return {bucket: state.plan for bucket, state in self._buckets.items()}
 
-    def load(self, store: PlanStore) -> None:
-        """Start from the plans saved in ``store`` (once, when the device is known)."""
+    def load(self, store: PlanStore, context: RungContext | None = None) -> None:
+        """Start from the plans saved in ``store`` (once, when the device is known) that this ladder could have
+        come to in ``context`` (what this model, optimizer and device allow: see ``Ladder.beyond``; None: all)."""
         self.store = store
-        for bucket, plan in store.load().items():
+        refuse = None if context is None else functools.partial(self.ladder.beyond, context=context)
+        for bucket, plan in store.load(refuse).items():
             self._buckets.setdefault(bucket, _Bucket(plan, self._initial_wait(), saved=True))
 
     def _initial_wait(self) -> int:
@@ -183,8 +187,8 @@ class Buckets:
     def _sized(self, plan: Plan, size: int, sizing: Callable[[Plan], int | None], grow: bool) -> Plan:
         """``plan`` with the micro-batch size the peak model predicts (not above ``plan``'s unless ``grow``)."""
         predicted = sizing(plan)
-        if predicted is None:
-            return plan
+        if predicted is None or (self.ladder.sizing is None and not grow):
+            return plan  # (a ladder without micro_batch never splits a batch to make it fit)
         current = plan.effective_micro_batch_size(size)
         target = max(self.ladder.min_micro_batch(size), min(size, predicted))
         if not grow:

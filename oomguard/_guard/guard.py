@@ -193,7 +193,7 @@ class OOMGuard:
     def _guarded(self, batch: Any, *, step: bool, reduction: Reduction | None) -> StepResult:
         size = batch_size(batch)  # raises BatchSplitError for a batch that could never be split
         backend = current_backend(self._device)
-        self._start(backend, batch)
+        self._start(backend, batch, size)
         per_sample = items_per_sample(batch, size)
         choice = self._buckets.choose(self.options.bucket(batch), size, backend, per_sample)
         agreement = self._runner.agreement
@@ -294,14 +294,12 @@ class OOMGuard:
         distributed = attempt.agreement is not None
         predicted = None if distributed else self._buckets.predict(failure.plan, call.backend, call.items_per_sample)
         phase = attempt.agreed_phase or failure.summary.phase
-        return dataclasses.replace(
-            self._context,
-            batch_size=call.size,
-            phase=phase,
-            can_offload=call.backend.offloads,
-            max_micro_batch=predicted,
-            distributed=distributed,
-        )
+        return self._rung_context(call.backend, call.size, distributed, phase=phase, max_micro_batch=predicted)
+
+    def _rung_context(self, backend: MemoryBackend, size: int, distributed: bool, **figures: Any) -> RungContext:
+        """What the rungs may assume on a batch of ``size`` on ``backend``: the model's context, and ``figures``."""
+        return dataclasses.replace(self._context, batch_size=size, can_offload=backend.offloads,
+                                   distributed=distributed, **figures)  # fmt: skip
 
     def _give_up(self, call: Call, reason: GiveUp, cause: BaseException) -> NoReturn:
         """Undo every effect on the model, log the giving up, and raise the error that says so (caused by the
@@ -359,23 +357,24 @@ class OOMGuard:
                                   len(call.tried), call.seconds_lost, plan.describe(call.size)))  # fmt: skip
 
     # -- around the calls -------------------------------------------------------------------------------
-    def _start(self, backend: MemoryBackend, batch: Any) -> None:
+    def _start(self, backend: MemoryBackend, batch: Any, size: int) -> None:
         """First call: join the process group if there is one, open the log, load the state file, preplan."""
         if self._started:
             return
         if isinstance(backend, AccountedDevice):  # (a simulated device: compiled code runs eagerly under it)
             backend.warn_if_compiled(self.model)
-        rank = 0
         if distributed_active():
             self._runner.agreement = Agreement(self._device, self.ladder)
-            rank = self._runner.agreement.rank
+        rank = 0 if self._runner.agreement is None else self._runner.agreement.rank
         if self.options.log_file is not None:  # one log per rank: rank k > 0 writes NAME.rank<k>.jsonl beside it
             path = Path(self.options.log_file)
             log = JsonlSink(path if rank == 0 else path.with_suffix(f".rank{rank}{path.suffix}"))
             self._sinks = [self._tally, log, *self.options.sinks]
         if self.options.state_file is not None:  # every rank reads the plans; only rank 0 writes them
             fingerprint = model_fingerprint(unwrap(self.model))
-            self._buckets.load(PlanStore(self.options.state_file, fingerprint, backend.identity(), writable=rank == 0))
+            store = PlanStore(self.options.state_file, fingerprint, backend.identity(), writable=rank == 0)
+            # (only the plans this ladder could reach for this model, optimizer and device: see Ladder.beyond)
+            self._buckets.load(store, self._rung_context(backend, size, self._runner.agreement is not None))
         if self.options.preplan and not self._buckets.plans():  # a remembered plan beats a predicted one
             report = preplan(self._step_fn, batch, self.options, backend, bf16=self._context.bf16_supported,
                              distributed=self._runner.agreement is not None, effects=self.effects)  # fmt: skip

@@ -11,6 +11,9 @@ every bucket on the plan that fitted.
   save, stays small however many models and buckets have used it.
 * **Forgiving.** A missing, corrupt, deeply nested or mismatched file is ignored with one logged warning, never
   a crash, and the next save replaces it.
+* **Filtered.** A plan another job saved under the same key (the same model and device) is taken only if this
+  job's ladder could have come to it here: the loader passes the ladder's reasons to refuse it, and refused plans
+  are named in the same one warning.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import functools
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -68,26 +71,39 @@ class PlanStore:
         self.prefix = f"{fingerprint}|{device}|"
         self.writable = writable  # under distributed training only rank 0 writes
 
-    def load(self) -> dict[int, Plan]:
-        """The saved plans for this model and device, by bucket; empty (with one warning) if there are none."""
+    def load(self, refuse: Callable[[Plan], Sequence[str]] | None = None) -> dict[int, Plan]:
+        """The saved plans for this model and device, by bucket; empty (with one warning) if there are none.
+
+        ``refuse`` says why this job cannot take a plan (:meth:`~oomguard._ladder.ladder.Ladder.beyond`: a rung
+        not on its ladder, a level it cannot reach); such plans are ignored, named with their reasons in the same
+        one warning as unreadable entries.
+        """
         entries = self._read(warn=True)
         if entries is None:
             return {}
         plans: dict[int, Plan] = {}
-        broken: list[str] = []
+        ignored: list[str] = []
         for key, entry in entries.items():
             if not key.startswith(self.prefix):
                 continue
+            bucket = key[len(self.prefix) :]
             try:
-                plans[int(key[len(self.prefix) :])] = Plan.from_dict(_plan_of(entry))
+                plan = Plan.from_dict(_plan_of(entry))
+                number = int(bucket)
             except (KeyError, TypeError, ValueError) as error:
-                broken.append(f"{key!r} ({error})")
-        if broken:  # one warning for the whole file, whatever is wrong in it
+                ignored.append(f"bucket {bucket!r} (unreadable: {error})")
+                continue
+            reasons = _refusals(refuse, plan)
+            if reasons:
+                ignored.append(f"bucket {bucket!r} ({plan.describe()}: {'; '.join(reasons)})")
+            else:
+                plans[number] = plan
+        if ignored:  # one warning for the whole file, whatever is wrong in it
             logger.warning(
-                "oomguard: ignoring %d unreadable saved plan(s) in %s: %s; %s",
-                len(broken),
+                "oomguard: ignoring %d saved plan(s) in %s that this job cannot use: %s; %s",
+                len(ignored),
                 self.path,
-                "; ".join(broken),
+                "; ".join(ignored),
                 "the others are used" if plans else "starting from the default plan",
             )
         elif not plans:
@@ -163,6 +179,16 @@ class PlanStore:
             return None
         plans: dict[str, Any] = document["plans"]
         return plans
+
+
+def _refusals(refuse: Callable[[Plan], Sequence[str]] | None, plan: Plan) -> Sequence[str]:
+    """Why this job cannot take ``plan``; a check that fails (a custom rung's ``escalate`` raising) refuses it."""
+    if refuse is None:
+        return ()
+    try:
+        return refuse(plan)
+    except Exception as error:  # loading a state file never crashes a job: the plan is only not taken
+        return [f"checking it failed ({type(error).__name__}: {error})"]
 
 
 def _plan_of(entry: Any) -> Mapping[str, Any]:

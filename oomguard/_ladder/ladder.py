@@ -101,6 +101,33 @@ class Ladder:
                 return rung, given if self.sizing is None else self.sizing.smallest(given, batch_size)
         return None
 
+    def beyond(self, plan: Plan, context: RungContext) -> list[str]:
+        """Why this ladder could not have come to ``plan`` in ``context``, one reason per rung: a rung ``plan``
+        engages that the ladder does not list, or a level a listed rung cannot reach here (:meth:`Rung.reaches`:
+        too deep for the rung, or a precondition this model, optimizer or device lacks). Empty when it could.
+
+        A plan remembered in a state file is taken only then: another job on the same model and device may have
+        opted in to rungs this one did not (4-bit weights), or run an optimizer this one does not.
+
+        >>> ladder = resolve_ladder(None)
+        >>> ladder.beyond(Plan(quantized_weights="4bit"), RungContext(batch_size=8, frozen_linears=True))
+        ["quantized_weights is not on this guard's ladder"]
+        """
+        reasons, listed = [], set(self.names)
+        for rung in self.known:
+            if rung.at_level(plan, 0, context.batch_size) == plan:
+                continue  # the plan does not engage this rung
+            if rung.name not in listed:
+                reasons.append(f"{rung.name} is not on this guard's ladder")
+            elif not rung.reaches(plan, context):
+                reasons.append(
+                    f"{rung.setting(plan, context.batch_size)} is out of reach of this guard's {rung.name} rung "
+                    f"(deeper than it goes, or not for this model, optimizer or device)"
+                )
+        known = {rung.name for rung in self.known}
+        reasons += [f"{name} is not on this guard's ladder" for name, _ in plan.extras if name not in known]
+        return reasons
+
     def min_micro_batch(self, batch_size: int) -> int:
         """The smallest micro-batch predictive sizing may pick: the micro-batch rung's floor, else one sample."""
         return self.sizing.floor(batch_size) if self.sizing is not None else 1

@@ -18,7 +18,16 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
 
-__all__ = ["ACTIVATION_PHASES", "BUILTIN_RUNGS", "EVERY_PHASE", "CheckpointingMode", "Phase", "Plan", "Precision"]
+__all__ = [
+    "ACTIVATION_PHASES",
+    "BUILTIN_RUNGS",
+    "EVERY_PHASE",
+    "CheckpointingMode",
+    "Phase",
+    "Plan",
+    "Precision",
+    "keeps_master_weights",
+]
 
 Precision = Literal["bf16", "fp16"]
 CheckpointingMode = Literal["partial", "full"]
@@ -69,8 +78,9 @@ class Plan:
         checkpointing: ``"partial"`` checkpoints every other repeated block, ``"full"`` every block.
         activation_offload: keep tensors saved for backward in host memory.
         optimizer_offload: ``True`` keeps the optimizer's state in host memory and runs its step there; the
-            parameters stay on the device. ``"master"`` (with ``precision="bf16"`` and no offloaded layers) also
-            keeps the fp32 master weights on the host and only a bf16 copy of them on the device.
+            parameters stay on the device. ``"master"`` also keeps the fp32 master weights on the host and only a
+            bf16 copy of them on the device: it needs ``precision="bf16"`` and no offloaded layers (a plan that
+            asks for it without them is refused; :meth:`replace` that takes them away gives ``True``).
         offload_layers: how many repeated blocks keep their parameters, gradients and optimizer state in host
             memory, streamed to the device only while in use.
         quantized_optimizer: keep Adam's moments in block-wise 8-bit storage on the device.
@@ -128,6 +138,12 @@ class Plan:
                 raise ValueError(
                     f"Plan.extras holds (name, level >= 1) pairs of rungs that are not built in, got {self.extras!r}"
                 )
+        if self.optimizer_offload == "master" and not keeps_master_weights(self.precision, self.offload_layers):
+            raise ValueError(  # (it would run the first level and be described, logged and saved as the second)
+                f"Plan.optimizer_offload='master' keeps fp32 master weights on the host only with precision='bf16' "
+                f"and no offloaded layers, got precision={self.precision!r} and offload_layers={self.offload_layers}: "
+                f"add precision='bf16' (and offload_layers=0), or write optimizer_offload=True, which is what it runs"
+            )
 
     def __repr__(self) -> str:
         shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.name != "extras"]
@@ -160,7 +176,19 @@ class Plan:
         return (*split, *engaged, *(name for name, _ in self.extras))
 
     def replace(self, **changes: Any) -> Plan:
-        """A copy of this plan with some fields changed."""
+        """A copy of this plan with some fields changed.
+
+        A change that takes away what optimizer offload's master level needs (bf16, no offloaded layer) takes that
+        level back to ``True``, which is what the plan then runs: rungs, the ranks' agreement and the planner
+        change one field at a time. Asking for the master level where it cannot run is refused, as in ``Plan()``.
+
+        >>> Plan(precision="bf16", optimizer_offload="master").replace(precision=None).optimizer_offload
+        True
+        """
+        if self.optimizer_offload == "master" and "optimizer_offload" not in changes:
+            precision = changes.get("precision", self.precision)
+            if not keeps_master_weights(precision, changes.get("offload_layers", self.offload_layers)):
+                changes["optimizer_offload"] = True
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -196,6 +224,12 @@ class Plan:
     def _settings(self) -> list[tuple[str, Any]]:
         """(rung name, value) of each built-in rung but micro-batching, in the order of the fields."""
         return [(f.metadata["rung"], getattr(self, f.name)) for f in _RUNG_FIELDS]
+
+
+def keeps_master_weights(precision: Precision | None, offload_layers: int) -> bool:
+    """Whether a plan of this precision and offloaded layers can run optimizer offload's master level: its bf16
+    weights on the device are the autocast's own, and offloaded blocks keep their fp32 weights on the host whole."""
+    return precision == "bf16" and not offload_layers
 
 
 def _phrase(field_: dataclasses.Field[Any], value: Any) -> str:

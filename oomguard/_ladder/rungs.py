@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from oomguard._ladder.plan import ACTIVATION_PHASES, EVERY_PHASE, Phase, Plan, Precision
+from oomguard._ladder.plan import ACTIVATION_PHASES, EVERY_PHASE, Phase, Plan, Precision, keeps_master_weights
 
 __all__ = [
     "ActivationOffload",
@@ -102,6 +102,28 @@ class Rung:
         """The class (or factory) of this rung's effect on torch state, if it has one of its own."""
         return None
 
+    def reaches(self, plan: Plan, context: RungContext) -> bool:
+        """Whether this rung, in ``context``, could take a plan to where ``plan`` has it: what a plan another job
+        remembered must meet for this guard to take it (see :meth:`~oomguard._ladder.ladder.Ladder.beyond`).
+
+        The default walks down as escalation does, from ``plan`` without this rung, until it meets ``plan``'s
+        level (True) or can go no deeper (False). So a level deeper than the rung goes is out of reach, and so is
+        one whose preconditions this model, optimizer or device lacks (bf16, an optimizer whose state can be kept
+        in 8 bits, frozen weights to quantize, blocks to checkpoint...): each rung's :meth:`escalate` knows them.
+        """
+        size = context.batch_size
+        wanted, level, current = self.level(plan, size), 0, self.at_level(plan, 0, size)
+        while level < wanted:
+            deeper = self.escalate(current, context)
+            if deeper is None or self.level(deeper, size) <= level:
+                return False  # (a rung that cannot go deeper, or would not: no walk of this ladder gets there)
+            current, level = deeper, self.level(deeper, size)
+        return level == wanted
+
+    def setting(self, plan: Plan, batch_size: int) -> str:
+        """How ``plan`` sets this rung, in words for a message (``offload_layers=5``)."""
+        return f"{self.name} at level {self.level(plan, batch_size)}"
+
 
 @dataclass(frozen=True)
 class MicroBatch(Rung):
@@ -146,6 +168,13 @@ class MicroBatch(Rung):
         """The smallest micro-batch this rung allows for a batch of ``batch_size``."""
         return min(self.min_size, batch_size)
 
+    def reaches(self, plan: Plan, context: RungContext) -> bool:
+        """Micro-batches of any size down to ``min_size`` (predictive sizing picks sizes halving never visits)."""
+        return plan.micro_batch_size is None or plan.micro_batch_size >= self.min_size
+
+    def setting(self, plan: Plan, batch_size: int) -> str:
+        return f"micro_batch_size={plan.micro_batch_size}"
+
 
 class _OneField(Rung):
     """A rung whose part of the plan is one field that takes a few values, the shallowest (not engaged) first."""
@@ -158,6 +187,9 @@ class _OneField(Rung):
 
     def at_level(self, plan: Plan, level: int, batch_size: int) -> Plan:
         return plan.replace(**{self._FIELD: self._LEVELS[level]})
+
+    def setting(self, plan: Plan, batch_size: int) -> str:
+        return f"{self._FIELD}={getattr(plan, self._FIELD)!r}"
 
 
 @dataclass(frozen=True)
@@ -182,6 +214,11 @@ class Amp(_OneField):
 
     def relax(self, plan: Plan, batch_size: int) -> Plan | None:
         return plan.replace(precision=None) if plan.precision is not None else None
+
+    def reaches(self, plan: Plan, context: RungContext) -> bool:
+        if plan.precision == "fp16" and self.dtype is None and context.distributed and context.amp_available:
+            return True  # ranks on devices that differ agree on fp16, which every device runs
+        return super().reaches(plan, context)
 
 
 @dataclass(frozen=True)
@@ -240,9 +277,16 @@ class OptimizerOffload(_OneField):
             return None
         if not plan.optimizer_offload:
             return plan.replace(optimizer_offload=True, quantized_optimizer=False)  # (state on the host: in fp32)
-        if plan.optimizer_offload is True and plan.precision == "bf16" and not plan.offload_layers:
+        if plan.optimizer_offload is True and keeps_master_weights(plan.precision, plan.offload_layers):
             return None if context.distributed else plan.replace(optimizer_offload="master")
         return None
+
+    def at_level(self, plan: Plan, level: int, batch_size: int) -> Plan:
+        """``plan`` at ``level``; the master level only where ``plan`` can keep master weights (see
+        :func:`~oomguard._ladder.plan.keeps_master_weights`), the first level elsewhere: what would run."""
+        if level == 2 and not keeps_master_weights(plan.precision, plan.offload_layers):
+            level = 1
+        return super().at_level(plan, level, batch_size)
 
 
 @dataclass(frozen=True)
@@ -306,6 +350,14 @@ class LayerOffload(Rung):
         return plan.replace(
             offload_layers=layers, optimizer_offload=offload, quantized_optimizer=False, quantized_weights=False
         )
+
+    def reaches(self, plan: Plan, context: RungContext) -> bool:
+        """Any number of blocks up to all (stepping back up halves what escalation doubled: 6 -> 3), where host
+        memory is distinct from the device's."""
+        return not plan.offload_layers or (context.can_offload and plan.offload_layers <= context.num_blocks)
+
+    def setting(self, plan: Plan, batch_size: int) -> str:
+        return f"offload_layers={plan.offload_layers}"
 
     def relax(self, plan: Plan, batch_size: int) -> Plan | None:
         """Half as many blocks offloaded (4 -> 2 -> 1 -> 0), as escalation doubled them."""

@@ -81,6 +81,8 @@ def plan(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if target not in ("cuda", "simulated"):
         raise ValueError(f"target must be 'cuda' or 'simulated', got {target!r}")
+    if lora_rank is None and lora_targets != ALL_LINEAR:  # (a full fine-tune would ignore them)
+        raise ValueError("lora_targets= names the layers a LoRA fine-tune adapts: give lora_rank= too")
     capacity = parse_bytes(gpu_memory)
     with _quiet_transformers():  # a config it cannot use is our one-line error, not its warnings and then ours
         config = load_config(model)

@@ -161,14 +161,16 @@ def dry_run(
                 search(configs, size, options.rungs.min_micro_batch(size), lambda plan: bench.measure(plan)[0].fits)
             elif not plans:
                 _walk(bench, options.rungs, context)
-                master = _master_weights_instead(bench.candidates, options.rungs, context)
+                master = _master_weights_instead(bench.candidates, options.rungs, context) if bf16 else None
                 if master is not None:
                     _walk(bench, options.rungs, context, start=master)
         finally:
             runner.effects.close()
     candidates = bench.candidates
     if not bf16:  # measured in bf16 (fp16's GradScaler reads values fake tensors do not have); fp16 autocast
-        candidates = [dataclasses.replace(c, plan=_fp16(c.plan)) for c in candidates]  # keeps the same sizes
+        # keeps the same sizes; the master level has none (its weights on the device are bf16), so it is not offered
+        kept = [c for c in candidates if c.plan.optimizer_offload != "master"]
+        candidates = [dataclasses.replace(c, plan=_fp16(c.plan)) for c in kept]
     # The fastest fitting plan by the time model (ties: the first measured, the one the ladder reached first).
     fitting = [c.plan for c in sorted((c for c in candidates if c.fits), key=lambda c: c.predicted_seconds)]
     return PlanReport(

@@ -71,6 +71,12 @@ def add_lora(
     if not chosen:
         wanted = "no linear layer but the output head" if names is None else f"no layer named {sorted(names)}"
         raise ValueError(f"LoRA: the model has {wanted}; name its attention or MLP projections as targets")
+    narrowest, side = min(((name, min(module.weight.shape)) for name, module in chosen), key=lambda item: item[1])
+    if rank > side:  # (an adapter of rank min(in, out) is already full rank: more only adds parameters)
+        raise ValueError(
+            f"the LoRA rank {rank} is larger than the layer {narrowest} it adapts allows ({side}, the smaller side "
+            f"of its weight); choose a rank of at most {side}"
+        )
     model.requires_grad_(False)
     for name, module in chosen:
         parent, _, leaf = name.rpartition(".")

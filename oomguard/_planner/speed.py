@@ -21,6 +21,7 @@ model ranks plans; it does not time a job.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,9 +75,14 @@ class DeviceSpeed:
     op_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        rates = (self.gpu_tflops, self.fp32_tflops or 1.0, self.link_gbps, self.host_params_per_second)
-        if not all(rate > 0 for rate in rates) or min(self.micro_batch_seconds, self.op_seconds) < 0:
-            raise ValueError(f"device throughputs must be positive, got {self}")
+        rates = {"gpu_tflops": self.gpu_tflops, "fp32_tflops": self.fp32_tflops or 1.0, "link_gbps": self.link_gbps,
+                 "host_params_per_second": self.host_params_per_second}  # fmt: skip
+        costs = {"micro_batch_seconds": self.micro_batch_seconds, "op_seconds": self.op_seconds}
+        for name, value in {**rates, **costs}.items():  # (an infinite rate would predict every plan takes no time)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            if value <= 0 if name in rates else value < 0:
+                raise ValueError(f"{name} must be {'positive' if name in rates else 'at least 0'}, got {value!r}")
 
     def seconds(
         self,
