@@ -123,6 +123,12 @@ def test_dpo_in_micro_batches_trains_as_on_the_whole_batch(
     reference.train()
     trainer = trl_dpo.build(4, str(tmp_path / "guarded"), {"ladder": ["micro_batch"]}, **extra)
     assert trainer.oomguard_pairs, "TRL's preference collator is recognised"
+    assert_dpo_split_pair_by_pair(trainer, reference)
+
+
+def assert_dpo_split_pair_by_pair(trainer: Any, reference: Any) -> None:
+    """``trainer`` trained in micro-batches under a simulated GPU where 8 pairs do not fit: its losses, rewards and
+    weights are ``reference``'s (the unguarded DPOTrainer, already trained on the whole batch)."""
     with SimulatedGPU("60MiB") as gpu:  # 8 pairs do not fit, 4 do
         gpu.adopt(trainer.model)
         gpu.adopt(trainer.ref_model)
@@ -133,6 +139,65 @@ def test_dpo_in_micro_batches_trains_as_on_the_whole_batch(
         assert {k: got[k] for k in keys} == pytest.approx({k: expected[k] for k in keys}, rel=1e-4, abs=1e-5), step
     for p, q in zip(trainer.model.parameters(), reference.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+
+
+def test_dpo_with_a_subclass_of_trls_collator_is_split_pair_by_pair(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collator of the user's own that extends TRL's preference collator lays pairs out as TRL's does. The guard
+    recognised TRL's collator by its class name, not by inheritance: a subclass's batches were split along dim 0
+    and paired the wrong rows, silently (step 2's loss 0.7399 for 0.7449, weights 4e-3 off)."""
+    from trl import DPOTrainer
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))
+    import trl_dpo
+
+    class CountingCollator(DataCollatorForPreference):  # type: ignore[misc]
+        """TRL's collator, counting the batches it makes (a subclass that leaves the batches as they are)."""
+
+        batches = 0
+
+        def torch_call(self, examples: list[Any]) -> dict[str, Any]:
+            type(self).batches += 1
+            batch: dict[str, Any] = super().torch_call(examples)
+            return batch
+
+    class WithCountingCollator(trl_dpo.GuardedDPO):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            collator = CountingCollator(pad_token_id=0, max_length=96)  # (the byte tokenizer's <pad>)
+            super().__init__(*args, data_collator=collator, **kwargs)
+
+    reference = trl_dpo.build(4, str(tmp_path / "reference"), trainer_class=DPOTrainer)  # TRL's own collator
+    reference.train()
+    trainer = trl_dpo.build(4, str(tmp_path / "guarded"), {"ladder": ["micro_batch"]}, WithCountingCollator)
+    assert trainer.oomguard_pairs, "a subclass of TRL's preference collator is recognised"
+    assert_dpo_split_pair_by_pair(trainer, reference)
+    assert CountingCollator.batches >= 4, "the batches were the subclass's"
+
+
+def test_trls_preference_collators_are_told_by_inheritance_not_by_name() -> None:
+    """TRL's preference collators and subclasses of them lay pairs out as chosen rows, then rejected rows; a class
+    that only shares the name (even one claiming TRL's module) is some other collator, left unsplit by pairs."""
+    from trl.trainer import dpo_trainer, reward_trainer
+
+    from oomguard.integrations._pairs import collates_pairs
+
+    class Extended(reward_trainer.DataCollatorForPreference):  # type: ignore[misc]
+        pass
+
+    class DataCollatorForPreference:  # a namesake: its own layout
+        pass
+
+    class Impostor:  # a namesake that claims TRL's module too
+        pass
+
+    Impostor.__name__, Impostor.__module__ = "DataCollatorForPreference", dpo_trainer.__name__
+    assert collates_pairs(dpo_trainer.DataCollatorForPreference(pad_token_id=0))
+    assert collates_pairs(reward_trainer.DataCollatorForPreference(pad_token_id=0))
+    assert collates_pairs(Extended(pad_token_id=0)), "a subclass keeps TRL's layout"
+    assert not collates_pairs(DataCollatorForPreference())
+    assert not collates_pairs(Impostor()), "named and placed as TRL's, but not TRL's class"
 
 
 def test_a_batch_not_laid_out_in_pairs_is_refused_with_the_way_out() -> None:
