@@ -212,7 +212,15 @@ def test_a_reward_model_in_micro_batches_trains_as_on_the_whole_batch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """TRL's RewardTrainer collates pairs as DPO does (chosen rows, then rejected): split pair by pair, micro-batches
-    of one pair end within 1e-5 of the whole batch's weights (measured 5.6e-6; 4.9e-3 when split along dim 0)."""
+    of one pair train as the whole batch. Split along dim 0 (the old bug), they paired the wrong rows: the mean loss
+    0.6786 for 0.6866, the weights up to 1.9e-4 off after 3 steps of SGD (4.0e-3 with AdamW); pair by pair, the losses
+    are equal and the weights within 7.5e-9 (float summation order), well inside the 1e-6 tolerance.
+
+    Plain SGD, because weights after AdamW are no measure of exact pairing: its first step moves a weight by
+    about ``lr * g / (|g| + eps)``, so a gradient within ``eps`` of zero (-1.7e-8 here) that summation order turns
+    into -1.9e-8 moves its weight 2.5e-5 differently (the one weight in 10240 that failed a 1e-5 tolerance with
+    AdamW, while every step's loss was equal and its gradients 1e-6 apart in norm). SGD moves weights by
+    ``lr * g``: a difference in them is one in the gradients, not rounding made ten thousand times larger."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
     from trl import RewardConfig, RewardTrainer
 
@@ -228,7 +236,7 @@ def test_a_reward_model_in_micro_batches_trains_as_on_the_whole_batch(
                              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
                              pad_token_id=0, bos_token_id=1, eos_token_id=1, num_labels=1)  # fmt: skip
         args = RewardConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8, max_steps=3,
-                            max_length=96, learning_rate=1e-3, optim="adamw_torch", bf16=False, use_cpu=True,
+                            max_length=96, learning_rate=1e-3, optim="sgd", bf16=False, use_cpu=True,
                             report_to=[], save_strategy="no", disable_tqdm=True, seed=0)  # fmt: skip
         pairs = trl_dpo.preference_pairs().map(
             lambda e: {"chosen": e["prompt"] + e["chosen"], "rejected": e["prompt"] + e["rejected"]}
@@ -244,8 +252,12 @@ def test_a_reward_model_in_micro_batches_trains_as_on_the_whole_batch(
         gpu.adopt(trainer.model)
         trainer.train()
     assert trainer.oomguard.plan.micro_batch_size == 1
+    (got,), (expected,) = (
+        [e["train_loss"] for e in t.state.log_history if "train_loss" in e] for t in (trainer, reference)
+    )
+    assert got == pytest.approx(expected, rel=1e-6), "the mean loss of the 3 steps"
     for p, q in zip(trainer.model.parameters(), reference.model.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("phase", ["backward", "optimizer"])
