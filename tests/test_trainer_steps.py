@@ -3,12 +3,15 @@ the step counts once; the trainer's own records keep no trace of a failed attemp
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import make_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_integrations import RaggedText, train_plain, training_args
 
 from oomguard.testing import SimulatedGPU
@@ -153,3 +156,165 @@ def test_a_subclass_listed_before_the_guard_is_refused_with_the_fix() -> None:
 
     class Right(OOMGuardTrainer, Other):  # the order a user writes: accepted
         pass
+
+
+# -- the trainer's records, taken back after a failed attempt ---------------------------------------------------
+
+
+class Opaque:
+    """Not plain data (a stand-in for a tensor, a model, a handle): an attribute holding one is left alone."""
+
+
+class Records:
+    """A trainer's records of every kind a rollback puts back, and two it leaves alone."""
+
+    def __init__(self) -> None:
+        self.tokens = 100
+        self.history = [0.5, 0.25, 0.125]
+        self.records = [{"step": 0, "loss": 0.5}, {"step": 1, "loss": 0.25}]
+        self._metrics = {"train": collections.defaultdict(list, {"entropy": [0.9]}), "eval": {}}
+        self.window = collections.deque([1, 2, 3], maxlen=3)
+        self.seen = {"a", "b"}
+        self.pair = ("losses", [1.0])
+        self.order = {"a": 1, "b": 2}
+        self.handles = [Opaque()]  # (not plain: left alone)
+        self.deep = [[[[[1]]]]]  # (deeper than 4: left alone, as before)
+
+
+def _as_it_is(value: Any) -> Any:
+    """``value`` spelt out with every container's type, identity and order (a set's sorted): equal only if the
+    same objects hold the same entries in the same order."""
+    if isinstance(value, (int, float, str, bytes, type(None))):
+        return value
+    if isinstance(value, dict):
+        return type(value), id(value), [(k, _as_it_is(v)) for k, v in value.items()]
+    if isinstance(value, (set, frozenset)):
+        return type(value), id(value), sorted(map(repr, value))
+    if isinstance(value, (list, tuple, collections.deque)):
+        return type(value), id(value), getattr(value, "maxlen", None), [_as_it_is(v) for v in value]
+    return id(value)
+
+
+def _what_an_attempt_does(records: Records) -> None:
+    """Everything a shallow record could miss: entries replaced in place and inserted before the others, nested
+    dicts and lists mutated, a nested list and an attribute rebound, a deque rotated and overflowed, a dict
+    reordered, an attribute deleted, a container inside a tuple changed."""
+    records.tokens += 7
+    records.history[1] = 99.0
+    records.history.insert(0, -1.0)
+    records.history.append(0.0625)
+    records.records[0]["loss"] = 0.0
+    records.records[1]["extra"] = 1
+    records.records.append({"step": 2})
+    records._metrics["train"]["entropy"].append(0.8)
+    records._metrics["train"]["accuracy"].append(0.1)  # (a key the defaultdict makes)
+    records._metrics["eval"] = {"loss": [1.0]}
+    records.window.rotate(1)
+    records.window.append(4)  # (maxlen 3: the oldest entry drops out)
+    records.seen.discard("a")
+    records.seen.add("c")
+    records.pair[1].append(2.0)
+    records.order["a"] = records.order.pop("a")  # (the same items, in another order)
+    records.history, moved = [], records.history  # (rebound; the old list still changed)
+    moved.append(1.0)
+    del records.seen
+    records.handles.append(Opaque())
+    records.deep[0][0][0][0].append(2)
+    records.lazily_made = [1]
+
+
+def test_a_rollback_puts_back_every_record_exactly_and_in_place() -> None:
+    """What a failed attempt changed in the trainer's plain records is put back, to the same objects (whatever
+    holds a nested record sees it too), in their order, twice over (a second failed attempt). The record is shallow
+    (containers by identity, their entries as references) so that it costs no more than a look at a growing
+    history: this shows it misses nothing a deep copy caught. (Before, a restore filled the containers with deep
+    copies: a reference held to a nested record, TRL's ``_metrics["train"]`` say, no longer saw the trainer's.)"""
+    from oomguard.integrations._rollback import PlainState
+
+    records = Records()
+    before = {name: _as_it_is(value) for name, value in vars(records).items()}
+    state = PlainState(records)
+    for attempt in range(2):
+        _what_an_attempt_does(records)
+        handles, deep = _as_it_is(records.handles), _as_it_is(records.deep)
+        state.restore()
+        now = {name: _as_it_is(value) for name, value in vars(records).items()}
+        assert now.pop("lazily_made") is not None, "what the trainer made since is kept"
+        assert now.pop("handles") == handles and now.pop("deep") == deep, "what is not plain data is left alone"
+        assert now == {k: v for k, v in before.items() if k not in ("handles", "deep")}, attempt
+
+
+def _plain_before(value: Any, depth: int = 0) -> bool:
+    """The rule for what is plain data, as the rollback has always had it (the deep-copying version's)."""
+    if isinstance(value, (int, float, complex, str, bytes, type(None))):
+        return True
+    if depth >= 4:
+        return False
+    if isinstance(value, dict):
+        return all(_plain_before(k, depth + 1) and _plain_before(v, depth + 1) for k, v in value.items())
+    if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+        return all(_plain_before(v, depth + 1) for v in value)
+    return False
+
+
+_SCALAR = st.one_of(st.integers(), st.floats(allow_nan=False), st.text(max_size=3), st.none(), st.booleans())
+_KEY = st.one_of(st.integers(), st.text(max_size=3), st.tuples(st.integers(), st.text(max_size=2)))
+_VALUES = st.recursive(
+    st.one_of(_SCALAR, st.builds(Opaque)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.lists(inner, max_size=4).map(tuple),
+        st.lists(inner, max_size=4).map(collections.deque),
+        st.dictionaries(_KEY, inner, max_size=3),
+        st.dictionaries(_KEY, inner, max_size=3).map(lambda d: collections.defaultdict(list, d)),
+        st.sets(_KEY, max_size=3),
+        st.frozensets(_KEY, max_size=3),
+    ),
+    max_leaves=12,
+)
+
+
+def _scramble(value: Any, depth: int = 0) -> None:
+    """Every mutable container in ``value`` (to 6 deep) changed in place: entries replaced, added, reordered."""
+    if depth > 6 or isinstance(value, (str, bytes)):
+        return
+    if isinstance(value, dict):
+        for inner in list(value.values()):
+            _scramble(inner, depth + 1)
+        items = list(value.items())[::-1]
+        value.clear()
+        value.update(items[1:])
+        value["scrambled"] = depth
+    elif isinstance(value, (list, tuple, frozenset, collections.deque)):
+        for inner in list(value):
+            _scramble(inner, depth + 1)
+        if isinstance(value, list):
+            value.reverse()
+            value[:1] = [depth, depth]
+        elif isinstance(value, collections.deque):
+            value.rotate(1)
+            value.append(depth)
+    elif isinstance(value, set):
+        value.add(("scrambled", depth))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from("abcdef"), _VALUES, max_size=5))
+def test_a_rollback_takes_back_what_it_always_did_and_exactly(attributes: dict[str, Any]) -> None:
+    """Whatever an attempt does to the trainer's containers in place, the rollback puts back exactly the
+    attributes that are plain data by the rule it has always had (numbers, strings and containers of them, 4
+    deep), the same objects in the same order, and leaves the others as the attempt left them."""
+    from oomguard.integrations._rollback import PlainState
+
+    owner = Records.__new__(Records)  # (an object with only these attributes)
+    vars(owner).update(attributes)
+    plain = {name for name, value in attributes.items() if _plain_before(value)}
+    before = {name: _as_it_is(value) for name, value in attributes.items()}
+    state = PlainState(owner)
+    for value in attributes.values():
+        _scramble(value)
+    after_attempt = {name: _as_it_is(value) for name, value in vars(owner).items()}
+    state.restore()
+    now = {name: _as_it_is(value) for name, value in vars(owner).items()}
+    assert {name: now[name] for name in plain} == {name: before[name] for name in plain}
+    assert {name: now[name] for name in set(now) - plain} == {name: after_attempt[name] for name in set(now) - plain}

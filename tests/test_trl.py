@@ -123,6 +123,12 @@ def test_dpo_in_micro_batches_trains_as_on_the_whole_batch(
     reference.train()
     trainer = trl_dpo.build(4, str(tmp_path / "guarded"), {"ladder": ["micro_batch"]}, **extra)
     assert trainer.oomguard_pairs, "TRL's preference collator is recognised"
+    assert_dpo_split_pair_by_pair(trainer, reference)
+
+
+def assert_dpo_split_pair_by_pair(trainer: Any, reference: Any) -> None:
+    """``trainer`` trained in micro-batches under a simulated GPU where 8 pairs do not fit: its losses, rewards and
+    weights are ``reference``'s (the unguarded DPOTrainer, already trained on the whole batch)."""
     with SimulatedGPU("60MiB") as gpu:  # 8 pairs do not fit, 4 do
         gpu.adopt(trainer.model)
         gpu.adopt(trainer.ref_model)
@@ -133,6 +139,65 @@ def test_dpo_in_micro_batches_trains_as_on_the_whole_batch(
         assert {k: got[k] for k in keys} == pytest.approx({k: expected[k] for k in keys}, rel=1e-4, abs=1e-5), step
     for p, q in zip(trainer.model.parameters(), reference.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+
+
+def test_dpo_with_a_subclass_of_trls_collator_is_split_pair_by_pair(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collator of the user's own that extends TRL's preference collator lays pairs out as TRL's does. The guard
+    recognised TRL's collator by its class name, not by inheritance: a subclass's batches were split along dim 0
+    and paired the wrong rows, silently (step 2's loss 0.7399 for 0.7449, weights 4e-3 off)."""
+    from trl import DPOTrainer
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))
+    import trl_dpo
+
+    class CountingCollator(DataCollatorForPreference):  # type: ignore[misc]
+        """TRL's collator, counting the batches it makes (a subclass that leaves the batches as they are)."""
+
+        batches = 0
+
+        def torch_call(self, examples: list[Any]) -> dict[str, Any]:
+            type(self).batches += 1
+            batch: dict[str, Any] = super().torch_call(examples)
+            return batch
+
+    class WithCountingCollator(trl_dpo.GuardedDPO):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            collator = CountingCollator(pad_token_id=0, max_length=96)  # (the byte tokenizer's <pad>)
+            super().__init__(*args, data_collator=collator, **kwargs)
+
+    reference = trl_dpo.build(4, str(tmp_path / "reference"), trainer_class=DPOTrainer)  # TRL's own collator
+    reference.train()
+    trainer = trl_dpo.build(4, str(tmp_path / "guarded"), {"ladder": ["micro_batch"]}, WithCountingCollator)
+    assert trainer.oomguard_pairs, "a subclass of TRL's preference collator is recognised"
+    assert_dpo_split_pair_by_pair(trainer, reference)
+    assert CountingCollator.batches >= 4, "the batches were the subclass's"
+
+
+def test_trls_preference_collators_are_told_by_inheritance_not_by_name() -> None:
+    """TRL's preference collators and subclasses of them lay pairs out as chosen rows, then rejected rows; a class
+    that only shares the name (even one claiming TRL's module) is some other collator, left unsplit by pairs."""
+    from trl.trainer import dpo_trainer, reward_trainer
+
+    from oomguard.integrations._pairs import collates_pairs
+
+    class Extended(reward_trainer.DataCollatorForPreference):  # type: ignore[misc]
+        pass
+
+    class DataCollatorForPreference:  # a namesake: its own layout
+        pass
+
+    class Impostor:  # a namesake that claims TRL's module too
+        pass
+
+    Impostor.__name__, Impostor.__module__ = "DataCollatorForPreference", dpo_trainer.__name__
+    assert collates_pairs(dpo_trainer.DataCollatorForPreference(pad_token_id=0))
+    assert collates_pairs(reward_trainer.DataCollatorForPreference(pad_token_id=0))
+    assert collates_pairs(Extended(pad_token_id=0)), "a subclass keeps TRL's layout"
+    assert not collates_pairs(DataCollatorForPreference())
+    assert not collates_pairs(Impostor()), "named and placed as TRL's, but not TRL's class"
 
 
 def test_a_batch_not_laid_out_in_pairs_is_refused_with_the_way_out() -> None:
@@ -147,7 +212,15 @@ def test_a_reward_model_in_micro_batches_trains_as_on_the_whole_batch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """TRL's RewardTrainer collates pairs as DPO does (chosen rows, then rejected): split pair by pair, micro-batches
-    of one pair end within 1e-5 of the whole batch's weights (measured 5.6e-6; 4.9e-3 when split along dim 0)."""
+    of one pair train as the whole batch. Split along dim 0 (the old bug), they paired the wrong rows: the mean loss
+    0.6786 for 0.6866, the weights up to 1.9e-4 off after 3 steps of SGD (4.0e-3 with AdamW); pair by pair, the losses
+    are equal and the weights within 7.5e-9 (float summation order), well inside the 1e-6 tolerance.
+
+    Plain SGD, because weights after AdamW are no measure of exact pairing: its first step moves a weight by
+    about ``lr * g / (|g| + eps)``, so a gradient within ``eps`` of zero (-1.7e-8 here) that summation order turns
+    into -1.9e-8 moves its weight 2.5e-5 differently (the one weight in 10240 that failed a 1e-5 tolerance with
+    AdamW, while every step's loss was equal and its gradients 1e-6 apart in norm). SGD moves weights by
+    ``lr * g``: a difference in them is one in the gradients, not rounding made ten thousand times larger."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
     from trl import RewardConfig, RewardTrainer
 
@@ -163,7 +236,7 @@ def test_a_reward_model_in_micro_batches_trains_as_on_the_whole_batch(
                              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
                              pad_token_id=0, bos_token_id=1, eos_token_id=1, num_labels=1)  # fmt: skip
         args = RewardConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8, max_steps=3,
-                            max_length=96, learning_rate=1e-3, optim="adamw_torch", bf16=False, use_cpu=True,
+                            max_length=96, learning_rate=1e-3, optim="sgd", bf16=False, use_cpu=True,
                             report_to=[], save_strategy="no", disable_tqdm=True, seed=0)  # fmt: skip
         pairs = trl_dpo.preference_pairs().map(
             lambda e: {"chosen": e["prompt"] + e["chosen"], "rejected": e["prompt"] + e["rejected"]}
@@ -179,8 +252,12 @@ def test_a_reward_model_in_micro_batches_trains_as_on_the_whole_batch(
         gpu.adopt(trainer.model)
         trainer.train()
     assert trainer.oomguard.plan.micro_batch_size == 1
+    (got,), (expected,) = (
+        [e["train_loss"] for e in t.state.log_history if "train_loss" in e] for t in (trainer, reference)
+    )
+    assert got == pytest.approx(expected, rel=1e-6), "the mean loss of the 3 steps"
     for p, q in zip(trainer.model.parameters(), reference.model.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("phase", ["backward", "optimizer"])

@@ -11,6 +11,7 @@ reference log-probabilities) are left as they are.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,14 +21,32 @@ from oomguard._errors import BatchSplitError
 
 __all__ = ["chosen_then_rejected", "collates_pairs", "pair_major"]
 
-#: TRL's collators that lay a batch out as chosen rows, then rejected rows.
+#: TRL's collators that lay a batch out as chosen rows, then rejected rows (DPO's and the reward trainer's
+#: ``DataCollatorForPreference``, DPO's ``DataCollatorForVisionPreference``), by class name.
 _PAIRED_COLLATORS = frozenset({"DataCollatorForPreference", "DataCollatorForVisionPreference"})
 
 
 def collates_pairs(collator: Any) -> bool:
-    """Whether ``collator`` is one of TRL's preference collators (chosen rows, then rejected rows)."""
-    kind = type(collator)
-    return kind.__name__ in _PAIRED_COLLATORS and kind.__module__.startswith("trl.")
+    """Whether ``collator`` is one of TRL's preference collators (chosen rows, then rejected rows) or an instance
+    of a subclass of one: a user's collator that extends TRL's keeps its layout.
+
+    TRL is an optional extra and is not imported here: a class that is TRL's, or inherits from it, was made by
+    running TRL's module, which is therefore loaded already. A class that only shares a name is not TRL's.
+
+    >>> class DataCollatorForPreference: pass  # a namesake of TRL's, not TRL's
+    >>> collates_pairs(DataCollatorForPreference())
+    False
+    """
+    return any(_is_trls_paired_collator(kind) for kind in type(collator).__mro__)
+
+
+def _is_trls_paired_collator(kind: type) -> bool:
+    """Whether ``kind`` is the very class that a module of TRL defines under one of the paired collators' names
+    (by identity: a class named like it, or claiming its module, is not it)."""
+    if kind.__name__ not in _PAIRED_COLLATORS or not kind.__module__.startswith("trl."):
+        return False
+    module = sys.modules.get(kind.__module__)  # (loaded: the class was made by running it)
+    return getattr(module, kind.__name__, None) is kind
 
 
 def pair_major(batch: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:

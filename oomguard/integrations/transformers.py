@@ -89,8 +89,8 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
     Attributes:
         oomguard_pairs: whether each batch holds preference pairs as TRL's DPO and reward trainers collate them
             (every chosen sequence, then every rejected one): micro-batches then take whole pairs, in that
-            layout, so that the loss pairs the right rows. Set from the collator (TRL's preference collators);
-            set it yourself for a collator of your own that lays pairs out that way.
+            layout, so that the loss pairs the right rows. Set from the collator (TRL's preference collators and
+            their subclasses); set it yourself for a collator of your own that lays pairs out that way.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
