@@ -311,7 +311,7 @@ def test_a_step_that_loops_on_a_tensor_condition_is_not_planned_and_the_guard_wa
 
 @pytest.mark.parametrize(
     ("ladder", "budget"),
-    [(["checkpointing"], 0.7), (["activation_offload"], 0.7), (["micro_batch", "layer_offload"], 0.3)],
+    [(["checkpointing"], 0.7), (["micro_batch", "layer_offload"], 0.3)],
 )
 def test_tuning_runs_when_the_settled_plan_checkpoints_or_offloads(
     ladder: list[str], budget: float, caplog: pytest.LogCaptureFixture

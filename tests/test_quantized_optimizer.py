@@ -58,6 +58,20 @@ def test_undo_gives_back_fp32_moments_equal_to_what_the_8_bits_stood_for() -> No
     assert all(torch.equal(before[key], after[key]) and after[key].dtype == torch.float32 for key in before)
 
 
+@pytest.mark.parametrize("margin", [1.02, 1.1])
+def test_a_plan_runs_within_a_budget_just_above_its_own_peak(margin: float) -> None:
+    """Before: under 1.02x and 1.1x of its unconstrained peak the second step ran out of memory in the optimizer.
+    Memory pressure sent the step down the undoable (journaled) path, whose copy of the state structure kept every
+    old 8-bit code alive while the step made new ones; the codes are now rewritten in place (and journaled as any
+    state tensor). The jump and the planner rely on a plan's peak being its peak."""
+    *_, peak = run(Plan(quantized_optimizer=True))
+    model, guard, ooms, _ = run(Plan(quantized_optimizer=True), budget=int(peak * margin))
+    assert ooms == [0, 0, 0] and guard.transaction.journaled_steps >= 2, "journaled steps, under pressure"
+    expected, _, _, _ = run(Plan(quantized_optimizer=True))
+    for p, q in zip(model.parameters(), expected.parameters(), strict=True):
+        assert torch.equal(p, q), "the journaled path steps exactly as the fast one"
+
+
 def test_checkpoints_schedulers_and_hooks_see_an_ordinary_adamw() -> None:
     model = make_llama(layers=2, hidden=64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)

@@ -65,6 +65,11 @@ class Quantized:
     root: bool
 
     @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a step rewrites in place (the optimizer transaction journals these like any state tensor)."""
+        return self.codes, self.scales
+
+    @property
     def nbytes(self) -> int:
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
 
@@ -174,12 +179,22 @@ class QuantizedOptimizerEffect(Effect):
         self._hooks, self._engaged = [], False
 
 
-def _quantize_moments(state: dict[str, Any]) -> bool:
+def _quantize_moments(state: dict[str, Any], into: dict[str, Any] | None = None) -> bool:
+    """Every fp32 moment of ``state`` to 8 bits: into the 8-bit storage it was dequantized from (``into``, the
+    state before the step), in place, where there is one. In place, the step needs no second copy of the codes
+    while an undoable step's journal holds the old ones, and the journal can put them back."""
     changed = False
     for key, root in _MOMENTS.items():
         value = state.get(key)
         if isinstance(value, torch.Tensor) and value.numel() >= MIN_VALUES:
-            state[key] = quantize(value, root)
+            before = (into or {}).get(key)
+            if isinstance(before, Quantized) and before.shape == value.shape and before.root == root:
+                fresh = quantize(value, root)
+                before.codes.copy_(fresh.codes)
+                before.scales.copy_(fresh.scales)
+                state[key] = before
+            else:
+                state[key] = quantize(value, root)
             changed = True
     return changed
 
@@ -220,7 +235,7 @@ def _step_in_chunks(optimizer: torch.optim.Optimizer, *args: Any, raw: Any, **kw
                     optimizer.state[param].update(state)
                 raise
             for param in stepped:
-                _quantize_moments(optimizer.state[param])
+                _quantize_moments(optimizer.state[param], into=saved.get(param))
     finally:
         for group, params in zip(groups, everything, strict=True):
             group["params"] = params

@@ -81,13 +81,14 @@ class OptimizerTransaction:
         return [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     def _mutable_tensors(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Parameters with a gradient and the tensors in their state: what a step may change in place."""
+        """Parameters with a gradient and the tensors in their state (a state value that is not a tensor may name
+        the tensors it keeps, as ``.tensors``: 8-bit moments): what a step may change in place."""
         seen: dict[int, torch.Tensor] = {}
         for p in params:
             seen.setdefault(id(p), p)
             for value in self.optimizer.state.get(p, {}).values():
-                if isinstance(value, torch.Tensor):
-                    seen.setdefault(id(value), value)
+                for tensor in (value,) if isinstance(value, torch.Tensor) else getattr(value, "tensors", ()):
+                    seen.setdefault(id(tensor), tensor)
         return list(seen.values())
 
     def _may_skip_journal(self, backend: MemoryBackend, params: list[torch.Tensor]) -> bool:
