@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 
 from oomguard.testing import SimulatedGPU
@@ -150,3 +153,12 @@ class CountingGPU(SimulatedGPU):
 
     def counted(self, before: int, after: int) -> None:
         """Allocations ``before + 1`` to ``after`` were just made."""
+
+
+@pytest.fixture
+def python_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler (KeyboardInterrupt), put back as it was after (a test runner's worker may have
+    put another in place)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

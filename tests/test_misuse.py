@@ -10,7 +10,6 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from oomguard import GuardConfigError, LadderExhausted, LossError, OOMGuard, Plan, RecoveryLimitExceeded, oom_guard
 from oomguard.testing import SimulatedGPU
-
-
-@pytest.fixture
-def python_sigint() -> Iterator[None]:
-    """Python's own SIGINT handler (KeyboardInterrupt), put back as it was after."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 def state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -81,6 +72,56 @@ def test_ctrl_c_during_the_journals_undo_waits_until_the_model_is_whole_again() 
     handle.remove()
     assert same(state(model, optimizer), before), "every tensor back as it was before the call"
     assert guard.steps == 1
+    assert guard(tuple_batch(seed=1)).step == 1, "the guard trains on"
+
+
+class Preempted(BaseException):
+    """What a job's own preemption handler raises (a signal the guard does not hold: SIGUSR1 here)."""
+
+
+class InterruptAtCopy(TorchDispatchMode):  # type: ignore[misc]
+    """At the ``n``-th tensor copy from when it is armed: a KeyboardInterrupt raised by code (as an exception set
+    asynchronously from another thread lands), or SIGUSR1, whose handler raises :class:`Preempted`."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.countdown = how, None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.countdown is not None and func is torch.ops.aten.copy_.default:
+            self.countdown -= 1
+            if self.countdown == 0:
+                self.countdown = None
+                if self.how == "raised by code":
+                    raise KeyboardInterrupt
+                signal.raise_signal(signal.SIGUSR1)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("how", ["raised by code", "another signal's handler"])
+def test_any_interrupt_during_the_journals_undo_waits_until_the_model_is_whole_again(how: str) -> None:
+    """Issue 23's round-1 case: only SIGINT and SIGTERM were held, so an interrupt of another kind still landed
+    half-way through the undo (weights as before [True, False, ...], Adam's step counters 1 and 2)."""
+    previous = signal.signal(signal.SIGUSR1, lambda *_: (_ for _ in ()).throw(Preempted()))
+    try:
+        model = make_mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        guard = OOMGuard(mse_step(model), model=model, optimizer=optimizer, step_journal="always")
+        guard(tuple_batch(seed=0))
+        before, mode = state(model, optimizer), InterruptAtCopy(how)
+
+        def fail_after_stepping(*_: Any) -> None:
+            mode.countdown = 2  # the second copy of the undo
+            raise RuntimeError("a step post-hook failed")
+
+        handle = optimizer.register_step_post_hook(fail_after_stepping)
+        with mode, pytest.raises(KeyboardInterrupt if how == "raised by code" else Preempted):
+            guard(tuple_batch(seed=1))
+        handle.remove()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert same(state(model, optimizer), before), "every tensor back as it was before the call"
+    assert {int(s["step"]) for s in optimizer.state.values()} == {1}
     assert guard(tuple_batch(seed=1)).step == 1, "the guard trains on"
 
 

@@ -14,13 +14,54 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any
 
-__all__ = ["Interrupts"]
+__all__ = ["Interrupts", "run_whole"]
 
 _SIGNALS = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None)) if s is not None)
+#: Signals a fault raises synchronously (blocking them would only turn the fault into a silent kill).
+_FAULTS = {getattr(signal, name) for name in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS")
+           if hasattr(signal, name)}  # fmt: skip
+_TRIES = 3  # times an interrupted part of a whole run is run again before the run moves on
+
+
+def run_whole(parts: Iterable[Callable[[], None]]) -> None:
+    """Run every part to its end, as one, even through an interrupt (an undo that stops half-way leaves a model
+    half-restored, which is worse than either end).
+
+    Meanwhile every signal that can be is blocked (main thread, POSIX): one that arrives is delivered, by its own
+    handler, once the last part is done. An interrupt raised all the same (``KeyboardInterrupt`` raised by code, an
+    exception set asynchronously from another thread) is kept while its part runs again (the parts must be
+    idempotent: put a copy back, restore an entry) and the rest run; it is raised after the last. An ``Exception``
+    stops the run at once, as it would any code.
+    """
+    pending: BaseException | None = None
+    with _signals_blocked():
+        for part in parts:
+            for _ in range(_TRIES):
+                try:
+                    part()
+                    break
+                except Exception:
+                    raise
+                except BaseException as interrupt:  # (KeyboardInterrupt, SystemExit, a job's own BaseException)
+                    pending = pending or interrupt
+    if pending is not None:
+        raise pending
+
+
+@contextlib.contextmanager
+def _signals_blocked() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - _FAULTS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class Interrupts:

@@ -28,6 +28,7 @@ signal) propagates as itself; the guard then refuses to train on the half-steppe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
@@ -36,7 +37,7 @@ import torch
 from oomguard._backends.memory import MemoryBackend
 from oomguard._detect import is_oom
 from oomguard._distributed.peers import Agree, peer_failure
-from oomguard._effects.interrupts import Interrupts
+from oomguard._effects.interrupts import Interrupts, run_whole
 from oomguard._errors import StepRollbackError
 from oomguard._ladder.plan import Phase
 
@@ -212,9 +213,7 @@ class OptimizerTransaction:
         backend.synchronize()  # the copies must have read every tensor before the step writes to it
         self._host = {id(t): c for t, c in zip(tensors, copies, strict=True)}
 
-        def undo() -> None:
-            for t, c in zip(tensors, copies, strict=True):
-                backend.upload(t, c)
+        def structure() -> None:
             for p in params:
                 if p in entries:
                     optimizer.state[p] = entries[p]
@@ -224,7 +223,10 @@ class OptimizerTransaction:
                 group.update(saved)
             if scheduler is not None and scheduler_state is not None:
                 scheduler.load_state_dict(scheduler_state)
-            backend.synchronize()
+
+        def undo() -> None:  # as one, whatever interrupts it (see run_whole): every part can be run again
+            uploads = [functools.partial(backend.upload, t, c) for t, c in zip(tensors, copies, strict=True)]
+            run_whole([*uploads, structure, backend.synchronize])
 
         try:
             run()
