@@ -56,7 +56,6 @@ from oomguard._backends.units import format_bytes, parse_bytes
 
 __all__ = ["AccountedDevice"]
 
-
 _Device = TypeVar("_Device", bound="AccountedDevice")
 
 
@@ -207,7 +206,8 @@ class AccountedDevice:
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         """Whether the tensor's storage is counted as device memory."""
-        return tensor.device.type == "cpu" and id(tensor.untyped_storage()) in self._tracked
+        storages = cpu_storages(tensor)  # (a wrapper subclass's: its inner tensors' storages)
+        return bool(storages) and all(id(storage) in self._tracked for storage in storages)
 
     def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
         """Resize a storage in place (storage resizes bypass the dispatcher, so the accounting is told here)."""
