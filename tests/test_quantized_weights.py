@@ -375,6 +375,8 @@ def test_a_quantized_weight_is_a_valid_tensor_wherever_code_reaches_it() -> None
         assert weight.norm().item() == pytest.approx(expected.norm().item(), rel=0.01), "quantized again"
         with pytest.raises(RuntimeError, match=r"quantized_weights rung.*guard\.close\(\) first"):
             weight.resize_(0)
+        with pytest.raises(RuntimeError, match=r"share_memory_: .*guard\.close\(\) first"):
+            weight.share_memory_()  # (a segfault before the weight's storage was sized 0: there is none)
         layer.weight.data = original.clone()  # (the layer is given back, and quantized again at the next step)
         assert not isinstance(weight, QuantizedWeight) and torch.equal(weight, original)
         guard(BATCHES[1])

@@ -40,6 +40,7 @@ __all__ = ["QuantizedWeight", "Store", "exact_originals", "user_attributes"]
 _aten = torch.ops.aten
 _ALIASES = {_aten.detach.default, _aten.alias.default}  # the same tensor again (``.data`` is a detach)
 _SET_DATA = cast(Any, torch.Tensor.data).__set__  # what ``tensor.data = ...`` calls
+_NO_MEMORY = {torch.Tensor.__dlpack__, torch.Tensor.share_memory_}  # what needs the tensor's own storage
 _INTERNAL = frozenset({"_qstore", "_qsteps", "_is_param"})  # this class's own attributes, not the user's
 
 
@@ -141,8 +142,8 @@ class QuantizedWeight(torch.Tensor):
         meta = store.meta(steps)
         made: QuantizedWeight = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, meta.shape, strides=meta.stride(), storage_offset=meta.storage_offset(), dtype=meta.dtype,
-            device=store.device, requires_grad=requires_grad,
-        )  # fmt: skip
+            device=store.device, requires_grad=requires_grad, storage_size=0,
+        )  # fmt: skip  # (storage_size 0: code that reaches for its storage, not its values, meets an empty one)
         made._qstore, made._qsteps = store, steps
         return made
 
@@ -184,6 +185,11 @@ class QuantizedWeight(torch.Tensor):
         cls, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:  # fmt: skip
         kwargs = kwargs or {}
+        if func in _NO_MEMORY:  # (a wrapper's storage is empty: nothing would be exported or shared)
+            raise RuntimeError(
+                f"{func.__name__}: a weight that the quantized_weights rung holds in low bits has no memory of its "
+                f"own to export or share; use weight.clone() (its dequantized values), or call guard.close() first"
+            )
         setting = func == _SET_DATA
         if setting or getattr(func, "__name__", None) not in ("__get__", "__set__", "requires_grad_"):
             for tensor in _quantized((args, kwargs)):  # an unfrozen weight trains whole; ``.data =`` replaces it
@@ -230,7 +236,8 @@ class QuantizedWeight(torch.Tensor):
         """A plain tensor (a Parameter for a parameter) holding the exact values, on this tensor's device."""
         if id(self) in memo:
             return memo[id(self)]  # type: ignore[no-any-return]
-        values = self.exact() if self._qstore.host is not None else self.values().clone()  # (exact: a fresh copy)
+        values = self.exact()  # (a fresh tensor, but a written copy's own values: those are cloned)
+        values = values.clone() if self._qstore.dense is not None else values
         made = torch.nn.Parameter(values, self.requires_grad) if isinstance(self, torch.nn.Parameter) else values
         memo[id(self)] = made
         for key, value in user_attributes(self).items():
