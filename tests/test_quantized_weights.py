@@ -385,6 +385,20 @@ def test_a_quantized_weight_is_a_valid_tensor_wherever_code_reaches_it() -> None
     assert frozen_weights_are_the_originals(model)
 
 
+def test_peft_merges_adapters_into_the_exact_originals_while_quantized() -> None:
+    """``merge_and_unload()`` adds each adapter's delta with ``weight.data += delta``: a write to the exact
+    original, bit for bit what merging into the unquantized base gives, kept through undo."""
+    model = lora_llama()
+    with engaged(model) as guard:
+        reference = lora_llama()
+        reference.load_state_dict(model.state_dict())  # (the exact originals, and the adapters as trained)
+        merged, expected = model.merge_and_unload(), reference.merge_and_unload()
+        assert isinstance(merged.model.layers[0].self_attn.q_proj.weight, QuantizedWeight)
+        guard.close()
+    pairs = zip(merged.state_dict().values(), expected.state_dict().values(), strict=True)
+    assert all(torch.equal(ours, theirs) for ours, theirs in pairs)
+
+
 def test_peft_dora_trains_with_8_bit_frozen_weights() -> None:
     """DoRA reads its base layer's weight itself (for the weight norm), not through the layer's forward."""
 

@@ -190,12 +190,12 @@ class QuantizedWeight(torch.Tensor):
                 f"{func.__name__}: a weight that the quantized_weights rung holds in low bits has no memory of its "
                 f"own to export or share; use weight.clone() (its dequantized values), or call guard.close() first"
             )
-        setting = func == _SET_DATA
-        if setting or getattr(func, "__name__", None) not in ("__get__", "__set__", "requires_grad_"):
-            for tensor in _quantized((args, kwargs)):  # an unfrozen weight trains whole; ``.data =`` replaces it
-                give_back = tensor._qstore.give_back
-                if (setting or tensor.requires_grad) and give_back is not None:
-                    give_back(tensor)  # (only the weight itself is given back; views of it stay as they are)
+        if func == _SET_DATA:
+            return _set_data(*args)
+        if getattr(func, "__name__", None) not in ("__get__", "__set__", "requires_grad_"):
+            for tensor in _quantized((args, kwargs)):  # an unfrozen weight trains whole, on its exact original
+                if tensor.requires_grad:
+                    _give_back(tensor)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -295,6 +295,30 @@ def exact_originals(module: torch.nn.Module, state_dict: dict[str, Any], prefix:
         key = prefix + name
         if isinstance(param, QuantizedWeight) and key in state_dict and state_dict[key] is not param:
             state_dict[key] = param.exact(on_host=True).clone()
+
+
+def _give_back(tensor: QuantizedWeight) -> bool:
+    """Ask the rung to give the weight ``tensor`` back whole (only the weight itself is: not a view of it); whether
+    it is a plain tensor now."""
+    store = tensor._qstore
+    give_back = store.give_back or (store.source.give_back if store.source is not None else None)
+    if give_back is not None:
+        give_back(tensor)
+    return not isinstance(tensor, QuantizedWeight)
+
+
+def _set_data(target: QuantizedWeight, value: torch.Tensor) -> None:
+    """``target.data = value``: the weight is given back whole first, and then takes ``value`` as any parameter does."""
+    if isinstance(value, QuantizedWeight) and value._qstore is target._qstore and value._qsteps is target._qsteps:
+        return  # ``weight.data += delta`` (PEFT's merge): the write has landed through the alias already
+    if isinstance(value, QuantizedWeight):
+        value = value.exact()  # (a wrapper's data would leave the target a tensor without storage)
+    if not _give_back(target):
+        raise RuntimeError(
+            "a tensor derived from a weight that the quantized_weights rung holds in low bits cannot take .data = "
+            "...: write its values with copy_, or call guard.close() first"
+        )
+    _SET_DATA(target, value)
 
 
 def _quantized(tree: Any) -> list[QuantizedWeight]:
