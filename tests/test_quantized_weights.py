@@ -8,6 +8,7 @@ import contextlib
 import copy
 import io
 import json
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -514,3 +515,21 @@ def test_the_simulator_counts_a_quantized_weights_codes_and_what_its_ops_compute
     with SimulatedGPU("1GiB") as other:
         other.adopt(quantized)
         assert other.memory_allocated() == codes
+
+
+def test_a_weight_that_cannot_change_in_place_is_left_whole() -> None:
+    """``torch.utils.swap_tensors`` refuses a tensor with weak references to it (or held from C++): that layer is
+    left as it is, the others are quantized, and training goes on."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+    model[:2].requires_grad_(False)
+    watched = weakref.ref(model[0].weight)
+    guard = OOMGuard(lambda x: model(x).square().mean(), model=model, ladder=[], tune_after=None,
+                     optimizer=torch.optim.SGD(model[2].parameters(), lr=0.1))  # fmt: skip
+    guard.plan = QUANTIZED
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard(torch.randn(4, 64))
+        assert watched() is model[0].weight and type(model[0].weight) is torch.nn.Parameter
+        assert isinstance(model[1].weight, QuantizedWeight)
+        guard.close()

@@ -10,8 +10,10 @@ left as they are. The exact original of each weight is kept in host memory: undo
 giving up) puts it back bit for bit, ``model.state_dict()`` gives it, and ``load_state_dict`` writes it (and the
 layer is quantized again).
 
-The weight stays the same parameter object, the one the user's optimizer holds (``torch.utils.swap_tensors``):
-while quantized it is a :class:`~oomguard._effects.qweight.QuantizedWeight`, a valid tensor that dequantizes
+The weight stays the same parameter object, the one the user's optimizer may hold (``AdamW(model.parameters())``
+holds the frozen ones too): its contents are swapped (``torch.utils.swap_tensors``; a weight that cannot be, for
+weak references to it or a C++ holder, is left whole). While quantized it is a
+:class:`~oomguard._effects.qweight.QuantizedWeight`, a valid tensor that dequantizes
 itself for any op that uses it (the layer's forward is not touched), and that autograd saves for backward as
 the codes, so no full-precision copy waits between forward and backward. A layer whose weight the user unfreezes
 is given back whole (its exact original, as the same object) before it is used, and the rung no longer
