@@ -56,6 +56,7 @@ from oomguard._backends.units import format_bytes, parse_bytes
 
 __all__ = ["AccountedDevice"]
 
+
 _Device = TypeVar("_Device", bound="AccountedDevice")
 
 
@@ -205,9 +206,8 @@ class AccountedDevice:
             device.copy_(host)
 
     def is_device(self, tensor: torch.Tensor) -> bool:
-        """Whether the tensor's storage is counted as device memory."""
-        storages = cpu_storages(tensor)  # (a wrapper subclass's: its inner tensors' storages)
-        return bool(storages) and all(id(storage) in self._tracked for storage in storages)
+        """Whether the tensor's storage (a wrapper subclass's: its inner tensors') is counted as device memory."""
+        return bool(found := cpu_storages(tensor)) and all(id(s) in self._tracked for s in found)
 
     def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
         """Resize a storage in place (storage resizes bypass the dispatcher, so the accounting is told here)."""

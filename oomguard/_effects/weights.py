@@ -22,6 +22,7 @@ quantizes it. Layer offload ends the rung (an offloaded block's weights go to th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from dataclasses import dataclass
@@ -81,6 +82,12 @@ class QuantizedWeightsEffect(Effect):
     @property
     def holds(self) -> bool:
         return bool(self._layers)
+
+    def suspended(self) -> contextlib.AbstractContextManager[None] | None:
+        """What the planner's dry run asks of an effect that holds the model: nothing needs to step aside here. No
+        method is patched, and the planner's fakes replace each quantized weight in its module's parameter table,
+        in the weight's shape and logical dtype."""
+        return None
 
     def before_apply(self, plan: Plan, backend: MemoryBackend) -> bool:
         """Every weight back where ``plan`` has none quantized, before layer offload may take a block whole."""
