@@ -4,7 +4,12 @@ frozen."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
 import json
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import LayerOffload, OOMGuard, Plan, QuantizedWeights, RungContext
 from oomguard._cli.main import main
+from oomguard._effects.codec import Codes
+from oomguard._effects.qweight import QuantizedWeight
 from oomguard._effects.weights import frozen_linears
 from oomguard._planner.engine import dry_run
 from oomguard._planner.lora import add_lora
@@ -274,3 +281,255 @@ def test_oomguard_plan_recommends_8_bit_frozen_weights_for_a_lora_job(
     capsys.readouterr()
     main([*args, "--ladder", "quantized_weights", "--lora-targets", "q_proj, v_proj"])
     assert "LoRA (rank 4 on 4 layers)" in json.loads(capsys.readouterr().out)["model"]
+
+
+# -- the quantized weight is still the user's parameter, and a valid tensor (issue 23) ----------------------------
+
+
+@contextlib.contextmanager
+def engaged(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[OOMGuard]:
+    """Inside: under a SimulatedGPU, ``model`` with the rung engaged by one guarded step, and its guard."""
+    if optimizer is None:
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    guard = OOMGuard(model_step(model), model=model, optimizer=optimizer, ladder=[], tune_after=None)
+    guard.plan = QUANTIZED
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard(BATCHES[0])
+        yield guard
+
+
+def test_a_base_layer_unfrozen_while_quantized_trains_exactly_on_its_original() -> None:
+    """Curriculum or partial unfreezing of a LoRA job's base: the unfrozen layer trains, as the same parameter the
+    optimizer holds (it holds every parameter, frozen ones too), from its exact original, bit for bit as if it
+    had been unfrozen while the rung was not engaged; the rung no longer quantizes it."""
+
+    def unfrozen(close_first: bool) -> tuple[torch.nn.Module, torch.nn.Parameter, torch.optim.Optimizer]:
+        model = lora_llama()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        weight = frozen_linears(model)[0].weight
+        with engaged(model, optimizer) as guard:
+            if close_first:
+                guard.close()  # (the weight is plain again before it is unfrozen: nothing to get wrong)
+            weight.requires_grad_(True)
+            guard(BATCHES[1])  # (the rung, engaged again, quantizes every frozen weight but this one)
+            assert not isinstance(weight, QuantizedWeight) and frozen_linears(model)[0].weight is not weight
+            guard.close()
+        return model, weight, optimizer
+
+    model, weight, optimizer = unfrozen(close_first=False)
+    reference, reference_weight, _ = unfrozen(close_first=True)
+    assert not torch.equal(reference_weight, frozen_linears(lora_llama())[0].weight), "(the reference trained it)"
+    assert type(weight) is torch.nn.Parameter and any(p is weight for p in optimizer.param_groups[0]["params"])
+    ours, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs), "the same step, bit for bit"
+
+
+def test_closing_keeps_a_layers_own_forward_and_one_set_since() -> None:
+    """accelerate's hooks (and users' patches) set a layer's instance ``forward``: it runs while the weight is
+    quantized, and undo leaves it, and one set after the rung engaged, where they are."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    calls: list[torch.nn.Module] = []
+
+    class Counting(ModelHook):  # type: ignore[misc]
+        def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            calls.append(module)
+            return args, kwargs
+
+    model = lora_llama()
+    before, since = frozen_linears(model)[:2]
+    add_hook_to_module(before, Counting())
+    hooked = vars(before)["forward"]
+    with engaged(model) as guard:
+        assert isinstance(before.weight, QuantizedWeight) and calls == [before], "the hook ran on the quantized layer"
+        add_hook_to_module(since, Counting())
+        added = vars(since)["forward"]
+        guard(BATCHES[1])
+        guard.close()
+    assert vars(before)["forward"] is hooked and vars(since)["forward"] is added, "undo touched no forward"
+    assert calls == [before, before, since] and frozen_weights_are_the_originals(model)
+
+
+def test_a_quantized_weight_is_a_valid_tensor_wherever_code_reaches_it() -> None:
+    """Reads compute with the dequantized weight; copies (deepcopy, torch.save) and state_dict() hold the exact
+    original; writes land on the exact original (which is quantized again); an op that would change its storage
+    says what to do. (On the code before: a segfault at the first read, deepcopy or write; torch.save raised.)"""
+    model = lora_llama()
+    layer, original = frozen_linears(model)[0], frozen_linears(lora_llama())[0].weight.detach()
+    key = next(name for name, p in model.named_parameters() if p is layer.weight)
+    with engaged(model) as guard:
+        weight = layer.weight
+        assert isinstance(weight, QuantizedWeight) and weight.bits == 8
+        assert weight.norm().item() == pytest.approx(original.norm().item(), rel=0.01)
+        assert torch.allclose(weight[3], original[3], atol=original.abs().max().item() / 127)
+        assert frozen_weights_are_the_originals(copy.deepcopy(model))
+        saved = io.BytesIO()
+        torch.save(model, saved)
+        assert frozen_weights_are_the_originals(torch.load(io.BytesIO(saved.getvalue()), weights_only=False))
+        with torch.no_grad():
+            weight.mul_(2)  # on the exact original: state_dict() has it doubled, bit for bit
+            weight[0] = 1.0
+        expected = original * 2
+        expected[0] = 1.0
+        assert torch.equal(model.state_dict()[key], expected) and isinstance(weight, QuantizedWeight)
+        assert weight.norm().item() == pytest.approx(expected.norm().item(), rel=0.01), "quantized again"
+        with pytest.raises(RuntimeError, match=r"quantized_weights rung.*guard\.close\(\) first"):
+            weight.resize_(0)
+        with pytest.raises(RuntimeError, match=r"share_memory_: .*guard\.close\(\) first"):
+            weight.share_memory_()  # (a segfault before the weight's storage was sized 0: there is none)
+        layer.weight.data = original.clone()  # (the layer is given back, and quantized again at the next step)
+        assert not isinstance(weight, QuantizedWeight) and torch.equal(weight, original)
+        guard(BATCHES[1])
+        assert isinstance(weight, QuantizedWeight)
+        guard.close()
+    assert frozen_weights_are_the_originals(model)
+
+
+def test_peft_merges_adapters_into_the_exact_originals_while_quantized() -> None:
+    """``merge_and_unload()`` adds each adapter's delta with ``weight.data += delta``: a write to the exact
+    original, bit for bit what merging into the unquantized base gives, kept through undo."""
+    model = lora_llama()
+    with engaged(model) as guard:
+        reference = lora_llama()
+        reference.load_state_dict(model.state_dict())  # (the exact originals, and the adapters as trained)
+        merged, expected = model.merge_and_unload(), reference.merge_and_unload()
+        assert isinstance(merged.model.layers[0].self_attn.q_proj.weight, QuantizedWeight)
+        guard.close()
+    pairs = zip(merged.state_dict().values(), expected.state_dict().values(), strict=True)
+    assert all(torch.equal(ours, theirs) for ours, theirs in pairs)
+
+
+def test_peft_dora_trains_with_8_bit_frozen_weights() -> None:
+    """DoRA reads its base layer's weight itself (for the weight norm), not through the layer's forward."""
+
+    def dora(plan: Plan) -> tuple[torch.nn.Module, OOMGuard, list[float]]:
+        model = make_llama(layers=2, hidden=128)
+        config = peft.LoraConfig(r=4, target_modules=ATTENTION, lora_dropout=0.0, use_dora=True)
+        model = peft.get_peft_model(model, config)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        guard, results, _ = train_on(model, optimizer, BATCHES, plan)
+        return model, guard, [r.loss for r in results]
+
+    model, guard, losses = dora(QUANTIZED)
+    _, _, reference = dora(Plan())
+    assert losses == pytest.approx(reference, rel=0.01) and losses[-1] < losses[0]
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard.close()
+    originals = dict(make_llama(layers=2, hidden=128).named_parameters())
+    frozen = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p for n, p in model.named_parameters()}
+    assert all(torch.equal(frozen[name], originals[name]) for name in originals if "proj" in name)
+
+
+def encoder() -> torch.nn.Module:
+    """A frozen torch Transformer encoder layer between trainable layers: its MultiheadAttention reads
+    ``out_proj.weight`` itself, for ``F.multi_head_attention_forward``."""
+    torch.manual_seed(5)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+    layer.requires_grad_(False)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), layer, torch.nn.Linear(64, 1))
+
+
+def test_multihead_attention_trains_with_its_out_proj_quantized() -> None:
+    def trained(plan: Plan) -> tuple[torch.nn.Module, OOMGuard, list[float]]:
+        model = encoder()
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        guard = OOMGuard(lambda x: model(x).square().mean(), model=model, optimizer=optimizer, ladder=[],
+                         tune_after=None)  # fmt: skip
+        guard.plan = plan
+        batches = [torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        with SimulatedGPU("1GiB") as gpu:
+            gpu.adopt(model)
+            losses = [guard(batch).loss for batch in batches]
+        return model, guard, losses
+
+    model, guard, losses = trained(QUANTIZED)
+    assert isinstance(model[1].self_attn.out_proj.weight, QuantizedWeight)
+    assert losses == pytest.approx(trained(Plan())[2], rel=0.02)
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard.close()
+    assert all(torch.equal(p, q) for p, q in zip(model[1].parameters(), encoder()[1].parameters(), strict=True))
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_no_full_precision_copy_of_a_frozen_weight_waits_for_backward(precision: str | None) -> None:
+    """What the rung is for: autograd keeps the frozen weight's codes for backward (a linear layer saves its
+    weight, under autocast its bf16 cast), not a dense copy; the forward holds only activations."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 1))
+    model[1].requires_grad_(False)
+    held, gpu = [], SimulatedGPU("1GiB")
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        before = gpu.memory_allocated()
+        loss = model(x).square().mean()
+        held.append(gpu.memory_allocated() - before)
+        return loss
+
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    guard = OOMGuard(step, model=model, optimizer=optimizer, ladder=[], tune_after=None)
+    guard.plan = Plan(precision=precision, quantized_weights=True)  # type: ignore[arg-type]
+    with gpu:
+        gpu.adopt(model)
+        guard(torch.randn(4, 16))
+    dense = 256 * 256 * (2 if precision else 4)
+    assert isinstance(model[1].weight, QuantizedWeight) and 0 < held[0] < dense / 8, held
+
+
+def test_converting_the_model_while_quantized_converts_the_exact_originals() -> None:
+    """``model.half()`` swaps each parameter's contents for a cast of it: the rung's weight becomes the exact
+    original in half precision, quantized again at the next step, given back by undo."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+    model[0].requires_grad_(False)
+    original = model[0].weight.detach().clone()
+    optimizer = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    guard = OOMGuard(lambda x: model(x.to(model[1].weight.dtype)).float().square().mean(), model=model,
+                     optimizer=optimizer, ladder=[], tune_after=None)  # fmt: skip
+    guard.plan = QUANTIZED
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard(torch.randn(4, 64))
+        model.half()
+        assert model[0].weight.dtype == torch.float16 and torch.equal(model.state_dict()["0.weight"], original.half())
+        guard(torch.randn(4, 64))
+        assert isinstance(model[0].weight, QuantizedWeight) and model[0].weight.bits == 8
+        guard.close()
+    assert type(model[0].weight) is torch.nn.Parameter and torch.equal(model[0].weight, original.half())
+
+
+def test_the_simulator_counts_a_quantized_weights_codes_and_what_its_ops_compute() -> None:
+    """A wrapper tensor subclass has no storage of its own: SimulatedGPU counts its inner tensors (the codes),
+    and the ops it runs on them (an op on it runs under the accounting), so the peaks the tests compare are the
+    dequantized copies' too."""
+    weight = torch.nn.Linear(256, 256, bias=False).weight.detach()
+    with SimulatedGPU("1GiB") as gpu:
+        quantized = QuantizedWeight.weight(Codes.encode(weight, 8), gpu.to_host(weight), {})
+        codes = gpu.memory_allocated()
+        assert codes == 256 * 256 + 256 * 4 and gpu.is_device(quantized)  # int8 codes, an fp32 scale per row
+        gpu.reset_peak_memory_stats()
+        assert quantized.sum().item() == pytest.approx(weight.sum().item(), abs=0.1)
+        assert gpu.max_memory_allocated() - codes >= 256 * 256 * 4, "the dequantized fp32 weight, while summed"
+    with SimulatedGPU("1GiB") as other:
+        other.adopt(quantized)
+        assert other.memory_allocated() == codes
+
+
+def test_a_weight_that_cannot_change_in_place_is_left_whole() -> None:
+    """``torch.utils.swap_tensors`` refuses a tensor with weak references to it (or held from C++): that layer is
+    left as it is, the others are quantized, and training goes on."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+    model[:2].requires_grad_(False)
+    watched = weakref.ref(model[0].weight)
+    guard = OOMGuard(lambda x: model(x).square().mean(), model=model, ladder=[], tune_after=None,
+                     optimizer=torch.optim.SGD(model[2].parameters(), lr=0.1))  # fmt: skip
+    guard.plan = QUANTIZED
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard(torch.randn(4, 64))
+        assert watched() is model[0].weight and type(model[0].weight) is torch.nn.Parameter
+        assert isinstance(model[1].weight, QuantizedWeight)
+        guard.close()

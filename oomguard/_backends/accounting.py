@@ -217,8 +217,8 @@ class AccountedDevice:
             device.copy_(host)
 
     def is_device(self, tensor: torch.Tensor) -> bool:
-        """Whether the tensor's storage is counted as device memory."""
-        return tensor.device.type == "cpu" and id(tensor.untyped_storage()) in self._tracked
+        """Whether the tensor's storage (a wrapper subclass's: its inner tensors') is counted as device memory."""
+        return bool(found := cpu_storages(tensor)) and all(id(s) in self._tracked for s in found)
 
     def resize_storage(self, tensor: torch.Tensor, nbytes: int) -> None:
         """Resize a storage in place (storage resizes bypass the dispatcher, so the accounting is told here)."""

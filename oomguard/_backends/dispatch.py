@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import increment_version
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_flatten
 
 from oomguard._backends.units import format_bytes
@@ -33,12 +37,24 @@ _UNANNOTATED_MUTATION = {
 _BATCH_NORM_WITH_STATS = {_aten._native_batch_norm_legit.default}
 
 
+def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold ``tensor``'s memory: itself, or a wrapper subclass's inner tensors (those it names in
+    ``__tensor_flatten__``; the wrapper itself has no storage), recursively."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [inner for name in names for inner in plain_tensors(getattr(tensor, name))]
+
+
 def cpu_storages(tree: Any) -> list[torch.UntypedStorage]:
     """The storages of the strided CPU tensors in ``tree``: the only ones accounted."""
     found = []
     for leaf in tree_flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and leaf.layout == torch.strided:
-            found.append(leaf.untyped_storage())
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        for tensor in plain_tensors(leaf):
+            if tensor.device.type == "cpu" and tensor.layout == torch.strided:
+                found.append(tensor.untyped_storage())
     return found
 
 
@@ -98,12 +114,12 @@ def aligned(nbytes: int) -> int:
 def tensors_of(obj: Any) -> list[torch.Tensor]:
     """The tensors of what ``adopt`` takes: a module's parameters, buffers and gradients, an optimizer's state."""
     if isinstance(obj, torch.Tensor):
-        return [obj]
+        return plain_tensors(obj)
     if isinstance(obj, torch.nn.Module):
         found = list(obj.parameters()) + list(obj.buffers())
-        return found + [p.grad for p in obj.parameters() if p.grad is not None]
+        return tensors_of(found + [p.grad for p in obj.parameters() if p.grad is not None])
     if isinstance(obj, torch.optim.Optimizer):
-        return [v for state in obj.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        return tensors_of([v for state in obj.state.values() for v in state.values() if isinstance(v, torch.Tensor)])
     if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
         return [t for item in obj for t in tensors_of(item)]
     raise TypeError(f"adopt() takes modules, optimizers, tensors or iterables of them, got {type(obj).__name__}")
@@ -115,13 +131,18 @@ OpHook = Callable[..., None]
 
 class AccountingMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Runs every aten op between the accounting's two hooks: ``before`` may refuse it (raise the OOM a device
-    would raise before the kernel ran), ``after`` accounts its outputs. Nothing is accounted while paused."""
+    would raise before the kernel ran), ``after`` accounts its outputs. Nothing is accounted while paused.
+
+    An op on a wrapper tensor subclass (a quantized weight) is left to the subclass, with this mode still active:
+    what it runs on its inner tensors is accounted, op by op."""
 
     def __init__(self, paused: Paused, before: OpHook, after: OpHook) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.paused, self.before, self.after = paused, before, after
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(is_traceable_wrapper_subclass_type(kind) for kind in types):
+            return NotImplemented  # (the subclass's __torch_dispatch__ runs next, under this mode)
         kwargs = kwargs or {}
         if self.paused.active:
             return func(*args, **kwargs)

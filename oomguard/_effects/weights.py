@@ -2,48 +2,50 @@
 on the host.
 
 For models whose frozen parameters dominate (a PEFT LoRA job: the base model is frozen, the adapters train), each
-frozen ``nn.Linear`` weight on the device is kept as int8 codes with one fp32 scale per output channel
-(symmetric, weight-only: ``weight ~ codes * scale``), about a quarter of its fp32 size; one level deeper, as
-4-bit codes of the 16 NF4 levels (quantiles of a normal distribution, as QLoRA stores its base model, one exact
-zero among them) with one fp32 absolute maximum per 64 values, 0.56 bytes a value, two codes to a byte. The
-layer's forward dequantizes it for the product and its backward dequantizes it again, so no full-precision copy
-outlives the operation (a plain linear layer would keep its weight for backward). Trainable parameters are never
-quantized; weights shared with another module (tied embeddings) and weights of fewer than 1,024 values are left
-as they are. The exact original of each weight is kept in host memory: undo (relaxing, ``guard.close()``, giving up)
-puts it back bit for bit, ``model.state_dict()`` gives it, and ``load_state_dict`` writes it (and quantizes the
-layer again).
+frozen ``nn.Linear`` weight on the device is kept as int8 codes with one fp32 scale per output channel, about a
+quarter of its fp32 size; one level deeper, as 4-bit NF4 codes with one fp32 absolute maximum per 64 values,
+0.56 bytes a value (:mod:`oomguard._effects.codec`). Trainable parameters are never quantized; weights shared
+with another module (tied embeddings), weights of fewer than 1,024 values and weights that hold a gradient are
+left as they are. The exact original of each weight is kept in host memory: undo (relaxing, ``guard.close()``,
+giving up) puts it back bit for bit, ``model.state_dict()`` gives it, and ``load_state_dict`` writes it (and the
+layer is quantized again).
 
-The weight's parameter keeps its shape and dtype with its device storage freed (resized to zero, as layer
-offload does): code that reads a quantized weight's values while the rung is engaged gets an error, not stale
-numbers. Layer offload ends the rung (an offloaded block's weights go to the host whole).
+The weight stays the same parameter object, the one the user's optimizer may hold (``AdamW(model.parameters())``
+holds the frozen ones too): its contents are swapped (``torch.utils.swap_tensors``; a weight that cannot be, for
+weak references to it or a C++ holder, is left whole). While quantized it is a
+:class:`~oomguard._effects.qweight.QuantizedWeight`, a valid tensor that dequantizes
+itself for any op that uses it (the layer's forward is not touched), and that autograd saves for backward as
+the codes, so no full-precision copy waits between forward and backward. A layer whose weight the user unfreezes
+is given back whole (its exact original, as the same object) before it is used, and the rung no longer
+quantizes it. Layer offload ends the rung (an offloaded block's weights go to the host whole).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
-import types
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
+import weakref
+from dataclasses import dataclass
+from typing import cast
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.hooks import RemovableHandle
 
 from oomguard._backends.memory import MemoryBackend, current_backend
 from oomguard._effects.base import Effect, EffectTarget
+from oomguard._effects.codec import Codes
+from oomguard._effects.qweight import QuantizedWeight, Store, exact_originals, user_attributes
 from oomguard._ladder.plan import Plan
 
 __all__ = ["QuantizedWeightsEffect", "frozen_linears"]
 
 MIN_VALUES = 1024
-GROUP = 64  # values per scale in 4 bits
 
 
 def frozen_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """The ``nn.Linear`` layers whose weight the rung may quantize: frozen, floating point, not shared with
-    another module, at least 1,024 values."""
+    another module, at least 1,024 values, holding no gradient."""
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
@@ -54,6 +56,7 @@ def frozen_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
         and not module.weight.requires_grad
         and module.weight.is_floating_point()
         and module.weight.numel() >= MIN_VALUES
+        and module.weight.grad is None
         and uses.get(id(module.weight)) == 1
     ]
 
@@ -61,39 +64,14 @@ def frozen_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
 @dataclass(eq=False)
 class _Layer:
     module: torch.nn.Linear
-    host: torch.Tensor  # the exact original weight, in host memory
-    codes: torch.Tensor  # on the device: int8 (one per value), or uint8 (two 4-bit codes)
-    scales: torch.Tensor  # fp32, on the device: one per output channel (8 bits), per 64 values (4 bits)
-    table: torch.Tensor | None  # 4 bits: each byte's two values, on the device (see _encode); None in 8 bits
-    hooks: list[RemovableHandle] = field(default_factory=list)
-    reloading: bool = False  # a load_state_dict is writing its weight
-
-    @property
-    def bits(self) -> int:
-        return 8 if self.table is None else 4
-
-    def saving(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
-        """``state_dict()`` (of this layer or any module above it) gives the exact original (a host copy)."""
-        if prefix + "weight" in state_dict:
-            state_dict[prefix + "weight"] = self.host.clone()
-
-    def loading(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """A weight ``load_state_dict`` writes gets its device storage back for the copy (quantized again after)."""
-        if prefix + "weight" in state_dict:
-            weight = self.module.weight
-            current_backend(weight.device).resize_storage(weight, self.host.numel() * self.host.element_size())
-            self.reloading = True
-
-    def loaded(self, module: torch.nn.Module, incompatible: Any) -> None:
-        if not self.reloading:
-            return
-        self.reloading = False
-        weight = self.module.weight.detach()
-        backend = current_backend(weight.device)
-        self.codes, self.scales, self.table = _encode(weight, self.bits)
-        self.host = backend.to_host(weight, self.host)
-        backend.synchronize()
-        backend.resize_storage(self.module.weight, 0)
+    #: What the module holds now: the user's own parameter object, now quantized (``swapped``); or, for a fake
+    #: tensor (the planner's, which fake mode holds weak references to and cannot be swapped), a stand-in.
+    weight: QuantizedWeight
+    #: The object that now holds the original tensor (its storage emptied): swapped back, refilled, on undo.
+    original: torch.Tensor
+    swapped: bool
+    hook: RemovableHandle
+    store: Store  # its codes and exact original (kept here: swapping back moves them off ``weight``)
 
 
 class QuantizedWeightsEffect(Effect):
@@ -105,6 +83,12 @@ class QuantizedWeightsEffect(Effect):
     def holds(self) -> bool:
         return bool(self._layers)
 
+    def suspended(self) -> contextlib.AbstractContextManager[None] | None:
+        """What the planner's dry run asks of an effect that holds the model: nothing needs to step aside here. No
+        method is patched, and the planner's fakes replace each quantized weight in its module's parameter table,
+        in the weight's shape and logical dtype."""
+        return None
+
     def before_apply(self, plan: Plan, backend: MemoryBackend) -> bool:
         """Every weight back where ``plan`` has none quantized, before layer offload may take a block whole."""
         if plan.quantized_weights or not self._layers:
@@ -113,144 +97,117 @@ class QuantizedWeightsEffect(Effect):
         return True
 
     def apply(self, plan: Plan, backend: MemoryBackend) -> bool:
+        changed = self._let_go()
         if not plan.quantized_weights:
-            return False
+            return changed
         bits = 4 if plan.quantized_weights == "4bit" else 8
-        changed = False
         for module in frozen_linears(self.target.model):  # one layer at a time: an OOM part-way leaves whole layers
             layer = self._layers.get(id(module))
-            if layer is not None and layer.bits != bits:  # to the other width, from the exact original
-                self._restore(layer)
-                layer, changed = None, True
-            if layer is None and backend.is_device(module.weight):
-                self._quantize(module, backend, bits)
-                changed = True
+            if layer is not None:
+                if layer.weight.bits != bits:  # to the other width, from the exact original
+                    layer.store.recode(bits)
+                    changed = True
+            elif backend.is_device(module.weight) and not isinstance(module.weight, QuantizedWeight):
+                changed = self._quantize(module, backend, bits) or changed
         return changed
 
-    def suspended(self) -> contextlib.AbstractContextManager[None] | None:
-        return self._plain_forwards() if self._layers else None
+    def _let_go(self) -> bool:
+        """Layers the user has changed since: a weight unfrozen is given back whole (it trains, exactly); a weight
+        converted (``model.half()``) is quantized again from its exact original, converted; a weight replaced
+        (``module.weight = ...``, ``load_state_dict(assign=True)``) is no longer the rung's."""
+        changed = False
+        for layer in list(self._layers.values()):
+            if not _held(layer):
+                self._forget(layer)
+            elif layer.weight.requires_grad:
+                self._restore(layer)
+            elif layer.weight._qstore is not layer.store:
+                self._rebase(layer)
+            else:
+                continue
+            changed = True
+        return changed
 
-    @contextlib.contextmanager
-    def _plain_forwards(self) -> Iterator[None]:
-        """Each quantized layer's own forward for a while (the planner fakes its weight in its shape and dtype)."""
-        forwards = {id(layer.module): vars(layer.module).pop("forward", None) for layer in self._layers.values()}
-        try:
-            yield
-        finally:
-            for layer in self._layers.values():
-                forward = forwards.get(id(layer.module))
-                if forward is not None:
-                    layer.module.forward = forward  # type: ignore[method-assign]
+    def _rebase(self, layer: _Layer) -> None:
+        """A converted weight (``model.half()`` swaps every parameter's contents for a cast of it: here a lazy
+        cast of the quantized weight) as a quantized weight again, whose exact original is the original cast."""
+        weight, previous = layer.weight, layer.store
+        host = weight.exact(on_host=True)  # (a cast: a new tensor in host memory)
+        codes = Codes.encode(current_backend(weight.device).to_device(host), weight.bits)
+        layer.store = Store(codes, (), host, give_back=previous.give_back)
+        weight._qstore, weight._qsteps = layer.store, ()
+        previous.give_back = None
 
-    def _quantize(self, module: torch.nn.Linear, backend: MemoryBackend, bits: int) -> None:
+    def _quantize(self, module: torch.nn.Linear, backend: MemoryBackend, bits: int) -> bool:
         weight = module.weight
-        encoded = _encode(weight.detach(), bits)  # (may run out of memory: the layer is then left as it was)
+        codes = Codes.encode(weight, bits)  # (may run out of memory: the layer is then left as it was)
         host = backend.to_host(weight.detach())
         backend.synchronize()  # the host copy has landed before the device memory is let go
-        backend.resize_storage(weight, 0)
-        layer = self._layers[id(module)] = _Layer(module, host, *encoded)
-        module.forward = types.MethodType(functools.partial(_forward, layer=layer), module)  # type: ignore[method-assign]
-        layer.hooks = [  # (partials: torch marks the hook it is given, which a bound method cannot take)
-            module.register_state_dict_post_hook(functools.partial(layer.saving)),  # type: ignore[no-untyped-call]
-            module.register_load_state_dict_pre_hook(functools.partial(layer.loading)),  # type: ignore[no-untyped-call]
-            module.register_load_state_dict_post_hook(functools.partial(layer.loaded)),  # type: ignore[no-untyped-call]
-        ]
+        quantized = QuantizedWeight.weight(codes, host, user_attributes(weight))
+        held: QuantizedWeight
+        original: torch.Tensor
+        try:  # the user's parameter object becomes the quantized one; ``quantized`` now holds the original
+            torch.utils.swap_tensors(weight, quantized)  # type: ignore[no-untyped-call]
+            held, original, swapped = cast(QuantizedWeight, weight), quantized, True
+        except RuntimeError:  # referenced from elsewhere (weak references, a C++ holder): it cannot change
+            if not is_fake(weight):
+                return False  # (left whole: the rung relieves less, nothing is wrong)
+            # (the planner's fake weights, which fake mode holds weakly: a fake's identity means nothing)
+            module._parameters["weight"] = cast(torch.nn.Parameter, quantized)
+            held, original, swapped = quantized, weight, False
+        original.data = torch.empty(0, dtype=original.dtype, device=original.device)  # its device memory freed
+        hook = module.register_state_dict_post_hook(exact_originals)  # type: ignore[no-untyped-call]
+        layer = self._layers[id(module)] = _Layer(module, held, original, swapped, hook, held._qstore)
+        layer.store.give_back = functools.partial(_give_back, weakref.ref(self), layer)
+        return True
 
     def _restore(self, layer: _Layer) -> None:
-        weight = layer.module.weight
-        backend = current_backend(weight.device)  # (the one in use now: a guard may be closed outside a simulator)
-        backend.resize_storage(weight, layer.host.numel() * layer.host.element_size())  # (may run out of memory)
-        backend.upload(weight.data, layer.host)
-        del layer.module.forward
-        for hook in layer.hooks:
-            hook.remove()
+        """The layer's weight back as it was, the same object, with its exact original (may run out of memory:
+        the layer is then left quantized)."""
+        weight, original = layer.weight, layer.original
+        original.data = current_backend(weight.device).to_device(weight.exact(on_host=True))
+        original.requires_grad_(weight.requires_grad)  # (unfrozen while quantized: it trains now)
+        vars(original).update(user_attributes(weight))  # attributes set on the parameter while it was quantized
+        if layer.swapped:
+            try:  # the user's object back to its own class and tensor
+                torch.utils.swap_tensors(weight, original)  # type: ignore[no-untyped-call]
+            except RuntimeError as error:
+                original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+                raise RuntimeError(
+                    f"oomguard: the quantized_weights rung cannot give back a {tuple(weight.shape)} weight while "
+                    f"something still holds it ({error}): an autograd graph that saved it (a loss or output kept "
+                    f"from a forward that never ran backward), or a view of it kept. Drop those and call "
+                    f"guard.close() again"
+                ) from None
+        else:
+            layer.module._parameters["weight"] = cast(torch.nn.Parameter, original)
+        self._forget(layer)
+
+    def _forget(self, layer: _Layer) -> None:
+        layer.hook.remove()
+        layer.store.give_back = None
         del self._layers[id(layer.module)]
 
     def close(self) -> None:
         """Every original weight back on the device, bit for bit (may run out of memory: the rest stay
         quantized, the rung still engaged)."""
         for layer in list(self._layers.values()):
-            self._restore(layer)
+            if _held(layer):
+                self._restore(layer)
+            else:
+                self._forget(layer)  # (replaced by the user: what is there now stays)
 
 
-def nf4_levels() -> list[float]:
-    """The 16 NF4 levels, ascending, in [-1, 1]: quantiles of a normal distribution, 8 positive and 7 negative
-    with an exact zero between them (QLoRA's construction: equal-probability bins of N(0, 1), the outermost
-    quantile taken at 0.9677 rather than at 1, where it is infinite), scaled so that the extremes are -1 and 1.
-
-    >>> levels = nf4_levels()
-    >>> len(levels), levels[0], levels[7], levels[-1]
-    (16, -1.0, 0.0, 1.0)
-    """
-    outermost = 0.5 * ((1 - 1 / 30) + (1 - 1 / 32))  # halfway between the two halves' outermost bin centres
-    positive = torch.special.ndtri(torch.linspace(outermost, 0.5, 9, dtype=torch.float64)[:-1])
-    negative = -torch.special.ndtri(torch.linspace(outermost, 0.5, 8, dtype=torch.float64)[:-1])
-    return sorted([*(negative / positive.max()).tolist(), 0.0, *(positive / positive.max()).tolist()])
+def _held(layer: _Layer) -> bool:
+    """Whether the layer's module still holds the rung's weight: the same object, holding the rung's store or a
+    cast of it (``model.half()``), not one written to since."""
+    weight = layer.module.weight
+    store = weight._qstore if isinstance(weight, QuantizedWeight) and weight is layer.weight else None
+    return store is not None and (store is layer.store or (store.source is layer.store and store.dense is None))
 
 
-_LEVELS = nf4_levels()
-_BOUNDS = [(low + high) / 2 for low, high in itertools.pairwise(_LEVELS)]  # nearest level's edges
-
-
-def _encode(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``weight``'s codes, scales and (4 bits) the table that decodes a byte of codes; see :func:`_decode`.
-
-    8 bits: symmetric int8 codes with one fp32 scale per output channel (row). 4 bits: each run of 64 values
-    (the weight read row after row, zero-padded to whole runs) divided by its absolute maximum and stored as the
-    index of the nearest NF4 level, two to a byte (the first in the low half).
-    """
-    if bits == 8:
-        scales = weight.float().abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
-        return (weight.float() / scales).round_().clamp_(-127, 127).to(torch.int8), scales, None
-    values = weight.detach().float().reshape(-1)
-    groups = torch.nn.functional.pad(values, (0, -values.numel() % GROUP)).view(-1, GROUP)
-    scales = groups.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    bounds = torch.tensor(_BOUNDS, dtype=torch.float32, device=weight.device)
-    index = torch.bucketize(groups / scales, bounds, out_int32=True).to(torch.uint8)
-    codes = index[:, 0::2] | (index[:, 1::2] << 4)
-    del index
-    levels = torch.tensor(_LEVELS, dtype=torch.float32, device=weight.device)
-    table = torch.stack((levels.repeat(16), levels.repeat_interleave(16)), dim=1)  # byte b: (low half, high half)
-    return codes, scales, table
-
-
-def _decode(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
-    """The fp32 weight of ``shape`` from its codes (see :func:`_encode`)."""
-    if table is None:
-        return codes * scales
-    pairs = table.index_select(0, codes.view(-1).int())  # (faster than indexing with a tensor)
-    values = pairs.view(scales.shape[0], GROUP).mul_(scales).view(-1)  # (in place: one fp32 copy)
-    return values[: shape.numel()].view(shape)
-
-
-def _forward(module: torch.nn.Linear, x: torch.Tensor, *, layer: _Layer) -> torch.Tensor:
-    weight = module.weight  # (its storage freed: its shape and dtype)
-    output: torch.Tensor = _QuantizedLinear.apply(  # type: ignore[no-untyped-call]
-        x, layer.codes, layer.scales, layer.table, module.bias, weight.shape, weight.dtype
-    )
-    return output
-
-
-class _QuantizedLinear(torch.autograd.Function):
-    """``F.linear`` with the weight dequantized for the product, in forward and again in backward: autograd keeps
-    the 8- or 4-bit codes, not a full-precision weight."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor | None,
-        bias: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype,
-    ) -> torch.Tensor:  # fmt: skip
-        ctx.save_for_backward(codes, scales, table)
-        ctx.shape, ctx.x_dtype, ctx.bias_dtype = shape, x.dtype, None if bias is None else bias.dtype
-        return torch.nn.functional.linear(x, _decode(codes, scales, table, shape).to(dtype), bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        codes, scales, table = ctx.saved_tensors
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(_decode(codes, scales, table, ctx.shape).to(grad.dtype)).to(ctx.x_dtype)
-        grad_bias = None
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
-            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
-        return grad_x, None, None, None, grad_bias, None, None
+def _give_back(effect: weakref.ref[QuantizedWeightsEffect], layer: _Layer, tensor: torch.Tensor) -> None:
+    """What a quantized weight calls when it is about to be unfrozen or replaced: the weight given back whole."""
+    owner = effect()
+    if owner is not None and tensor is layer.weight and owner._layers.get(id(layer.module)) is layer:
+        owner._restore(layer)

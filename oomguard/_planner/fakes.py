@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
+from oomguard._backends.dispatch import plain_tensors
 from oomguard._backends.memory import MemoryBackend
 from oomguard._backends.units import available_bytes, format_bytes, requested_bytes
 from oomguard._effects.effects import Effects
@@ -195,7 +196,8 @@ def _resident_bytes(backend: MemoryBackend, model: torch.nn.Module, optimizer: t
     """Device bytes held by the model and the optimizer state: the planner measures these itself."""
     tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    storages = {id(t.untyped_storage()): t.untyped_storage() for t in tensors if backend.is_device(t)}
+    plain = [inner for t in tensors for inner in plain_tensors(t)]  # (a quantized weight's: its codes)
+    storages = {id(t.untyped_storage()): t.untyped_storage() for t in plain if backend.is_device(t)}
     return sum(int(s.nbytes()) for s in storages.values())
 
 
