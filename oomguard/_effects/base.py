@@ -92,6 +92,10 @@ class Effect:
         """Whether the model is changed by this effect now (then no other guard may take the model)."""
         return False
 
+    def after_micro_batch(self) -> None:
+        """One micro-batch's backward is done (the last one's too, before :meth:`after_backward`): its gradients
+        are in the parameters' ``.grad``, added to what the micro-batches before it left there."""
+
     def after_backward(self) -> None:
         """The last micro-batch's backward is done: hand over what clipping and the optimizer step need."""
 
