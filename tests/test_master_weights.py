@@ -155,10 +155,12 @@ def test_state_dict_and_load_state_dict_see_the_fp32_masters() -> None:
 # -- the device weight is the truth between steps: writes that bypass the version counter ----------------------
 
 
-def master_guard(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Any = None) -> OOMGuard:
+def master_guard(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Any = None, scheduler: Any = None
+) -> OOMGuard:
     """A guard on ``model`` running the master level alone (no ladder, no tuning)."""
     forward = step if step is not None else (lambda batch: model(**batch))
-    guard = OOMGuard(forward, model=model, optimizer=optimizer, ladder=[], tune_after=None)
+    guard = OOMGuard(forward, model=model, optimizer=optimizer, scheduler=scheduler, ladder=[], tune_after=None)
     guard.plan = MASTER
     return guard
 
@@ -173,7 +175,9 @@ def test_weight_clipping_through_p_data_in_the_loop_stays_clipped() -> None:
     counter. The clamped weights are the masters at once (``state_dict()``) and train on from there."""
     clip, lr = 0.01, 1e-3
     model = make_llama(layers=2, hidden=64)
-    guard = master_guard(model, torch.optim.AdamW(model.parameters(), lr=lr))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.5, total_iters=4)
+    guard = master_guard(model, optimizer, scheduler=schedule)
     with SimulatedGPU("1GiB") as gpu:
         gpu.adopt(model)
         for batch in BATCHES:
@@ -187,6 +191,7 @@ def test_weight_clipping_through_p_data_in_the_loop_stays_clipped() -> None:
         guard(BATCHES[0])
     largest = max(p.abs().max().item() for p in model.parameters())
     assert largest <= clip + 4 * lr, f"one AdamW step from clipped weights moves them about lr, not to {largest}"
+    assert schedule.last_epoch == len(BATCHES) + 1, "(a schedule stepped with every step)"
 
 
 def test_an_ema_swap_through_p_data_is_what_the_masters_give_and_swapping_back_keeps_every_fp32_bit() -> None:

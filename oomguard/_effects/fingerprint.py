@@ -60,20 +60,25 @@ class Fingerprints:
         self._ready = None
 
     def record(self, tensors: list[torch.Tensor], backend: MemoryBackend) -> None:
-        """Take the checksums of ``tensors`` as they are on the device now, through the prepared buffers (released
-        after); the host reads them once a later comparison has synchronized. Should a CUDA reduction's own
-        workspace not fit (the only allocation left), nothing is recorded: the next comparison is in full."""
+        """Take the checksums of ``tensors`` as they are on the device now; the host reads them once a later
+        comparison has synchronized. Through the prepared buffers if any (released after): should a CUDA
+        reduction's own workspace not fit (the only allocation left), nothing is recorded and the next comparison
+        is in full. Without them the products are allocated, and an OOM propagates with nothing recorded."""
         ready, self._ready = self._ready, None
         known, self._known, self._sizes = self._known, None, []
         sizes = [t.numel() for t in tensors]
+        if not tensors:
+            return
         if ready is None or ready.sizes != sizes:
-            return
-        try:
-            sums = ready.sums(tensors)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            return
+            weights = _weights_like(tensors[0], max(sizes))
+            sums = torch.cat([s for tensor in tensors for s in _row_sums(tensor, weights)])
+        else:
+            try:
+                sums = ready.sums(tensors)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                return
         self._known, self._sizes = backend.to_host(sums, known), sizes
 
     def record_host(self, images: list[torch.Tensor]) -> None:
