@@ -89,6 +89,9 @@ def check_sweep(workload: Workload, name: str, plan: Plan, sample: Sample, phase
     assert not result.failures, "\n".join(result.failures[:20])
     assert result.survived == result.injected > 0
     # Every phase asked for was hit (forward, backward with the accumulation, clipping, the optimizer step...).
+    # At the master level clipping allocates nothing on the device: it runs on the fp32 gradients on the host.
+    if plan.optimizer_offload == "master":
+        phases = phases - {"clip"}
     assert phases <= set(result.by_phase())
 
 

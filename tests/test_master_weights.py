@@ -4,15 +4,19 @@ for bit."""
 
 from __future__ import annotations
 
+import copy
+import io
 from typing import Any
 
 import pytest
 import torch
-from conftest import make_llama, train_on
+from conftest import make_llama, make_mlp, mse_step, train_on, tuple_batch
+from sweep_worker import TINY, clone_state, sweep
 from test_planner import lm_batch, model_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from oomguard import LayerOffload, OptimizerOffload, Plan, RungContext
+from oomguard import LayerOffload, OOMGuard, OptimizerOffload, Plan, RungContext
+from oomguard._effects.fingerprint import ROW, Fingerprints
 from oomguard._planner.engine import dry_run
 from oomguard.testing import SimulatedGPU
 
@@ -44,7 +48,10 @@ def test_master_weights_halve_weights_and_gradients_on_the_device_and_move_four_
     _, _, master_results, master_peak = trained(MASTER)
     assert state_peak - master_peak >= weights, "fp32 weights and gradients (8 B) become bf16 (4 B)"
     assert state_results[-1].transfer_bytes == 3 * weights, "level 1: parameters and gradients down, parameters up"
-    assert master_results[-1].transfer_bytes == weights, "bf16 gradients down, bf16 parameters up"
+    # bf16 gradients down, bf16 parameters up, and the weights' checksums twice (after the upload and before the
+    # next step: 8 bytes a tensor of under 65,521 elements) to find writes that bypass the version counters.
+    checksums = 2 * 8 * len(list(make_llama(layers=2, hidden=64).parameters()))
+    assert master_results[-1].transfer_bytes == weights + checksums
 
 
 def test_master_weights_train_within_amps_tolerance() -> None:
@@ -143,3 +150,251 @@ def test_state_dict_and_load_state_dict_see_the_fp32_masters() -> None:
         assert (param - fresh[name]).abs().max() < 0.01, "trained one step from the loaded weights"
     model.load_state_dict(fresh)  # no longer halved: the hooks are gone, an ordinary load
     assert all(torch.equal(p, fresh[n]) for n, p in model.named_parameters())
+
+
+# -- the device weight is the truth between steps: writes that bypass the version counter ----------------------
+
+
+def master_guard(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: Any = None, scheduler: Any = None
+) -> OOMGuard:
+    """A guard on ``model`` running the master level alone (no ladder, no tuning)."""
+    forward = step if step is not None else (lambda batch: model(**batch))
+    guard = OOMGuard(forward, model=model, optimizer=optimizer, scheduler=scheduler, ladder=[], tune_after=None)
+    guard.plan = MASTER
+    return guard
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a, b.view(
+        torch.int16) if b.dtype == torch.bfloat16 else b)  # fmt: skip
+
+
+def test_weight_clipping_through_p_data_in_the_loop_stays_clipped() -> None:
+    """WGAN-style clipping after each step: ``p.data.clamp_()`` writes through an alias with its own version
+    counter. The clamped weights are the masters at once (``state_dict()``) and train on from there."""
+    clip, lr = 0.01, 1e-3
+    model = make_llama(layers=2, hidden=64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.5, total_iters=4)
+    guard = master_guard(model, optimizer, scheduler=schedule)
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        for batch in BATCHES:
+            guard(batch)
+            for param in model.parameters():
+                param.data.clamp_(-clip, clip)
+            # The masters hold what the device holds: the clamped values, to within the rounding of bf16 (where a
+            # weight's bf16 value did not change, its master keeps its fp32 bits).
+            bound = torch.tensor(clip, dtype=torch.bfloat16).item()
+            assert max(v.bfloat16().abs().max().item() for v in model.state_dict().values()) <= bound
+        guard(BATCHES[0])
+    largest = max(p.abs().max().item() for p in model.parameters())
+    assert largest <= clip + 4 * lr, f"one AdamW step from clipped weights moves them about lr, not to {largest}"
+    assert schedule.last_epoch == len(BATCHES) + 1, "(a schedule stepped with every step)"
+
+
+def test_an_ema_swap_through_p_data_is_what_the_masters_give_and_swapping_back_keeps_every_fp32_bit() -> None:
+    model, guard, _, _ = trained(MASTER)
+    masters = {name: value.clone() for name, value in model.state_dict().items()}
+    ema = {name: value * 0.5 for name, value in masters.items()}  # (an fp32 EMA of the weights, kept aside)
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        kept = [param.data.clone() for param in model.parameters()]
+        for name, param in model.named_parameters():
+            param.data.copy_(ema[name])  # evaluate on the EMA weights...
+        swapped = model.state_dict()
+        for name, value in swapped.items():
+            assert same_bits(value.bfloat16(), ema[name].bfloat16()), "the masters are what the device holds"
+        for param, value in zip(model.parameters(), kept, strict=True):
+            param.data.copy_(value)  # ... and swap the training weights back
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, masters[name]), "nothing written: every master as it was, to the last bit"
+        guard(BATCHES[0])
+
+
+def test_a_write_to_one_element_changes_only_that_element_of_its_master() -> None:
+    model, guard, _, _ = trained(MASTER)  # (the guard kept: dropped, it would undo the level)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    name, param = next((n, p) for n, p in model.named_parameters() if p.dim() == 2)
+    assert guard.plan == MASTER and param.dtype == torch.bfloat16
+    param.data[3, 5] = 0.5
+    after = model.state_dict()
+    expected = before[name].clone()
+    expected[3, 5] = 0.5
+    assert torch.equal(after[name], expected), "the written element, exactly; the others keep their fp32 bits"
+    assert all(torch.equal(after[n], before[n]) for n in before if n != name)
+
+
+def test_vector_to_parameters_replaces_the_weights_and_they_train_on_as_bf16_copies() -> None:
+    model = make_llama(layers=2, hidden=64)
+    guard = master_guard(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard(BATCHES[0])
+        vector = torch.nn.utils.parameters_to_vector(model.parameters())
+        assert vector.dtype == torch.bfloat16, "(between steps the weights on the device are bf16)"
+        torch.nn.utils.vector_to_parameters(torch.full(vector.shape, 0.02), model.parameters())  # p.data = ...
+        assert all(torch.equal(v, torch.full_like(v, 0.02)) for v in model.state_dict().values())
+        guard(BATCHES[1])
+        assert all(p.dtype == torch.bfloat16 and gpu.is_device(p) for p in model.parameters())
+    assert all((v - 0.02).abs().max() < 4e-3 for v in model.state_dict().values()), "one step from 0.02"
+
+
+# -- fp32 accumulation of micro-batches ---------------------------------------------------------------------------
+
+
+def sgd_step(plan: Plan, batch: Any) -> dict[str, torch.Tensor]:
+    """The fp32 weights (the masters, where there are) after one guarded SGD step of the MLP over ``batch``."""
+    model = make_mlp(width=64)
+    guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     ladder=[], tune_after=None)  # fmt: skip
+    guard.plan = plan
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard(batch)
+    return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+def test_micro_batches_accumulate_in_fp32_within_twice_amps_distance() -> None:
+    """One SGD step over 256 samples in micro-batches of 1: summed in bf16, 256 gradients landed 6.8 times amp's
+    distance from fp32 (2.1 % against 0.30 %); summed in fp32 on the host, within twice amp's."""
+    batch = tuple_batch(256)
+    start = make_mlp(width=64).state_dict()
+    fp32 = sgd_step(Plan(), batch)
+    amp = sgd_step(AMP.replace(micro_batch_size=1), batch)
+    master = sgd_step(MASTER.replace(micro_batch_size=1), batch)
+
+    def far(a: dict[str, torch.Tensor]) -> float:
+        gap = sum((a[k] - fp32[k]).square().sum() for k in fp32)
+        return float((gap / sum((fp32[k] - start[k]).square().sum() for k in fp32)).sqrt())
+
+    assert far(master) <= 2 * far(amp), (far(master), far(amp))
+
+
+def test_an_oom_part_way_through_the_micro_batches_leaves_no_gradient_summed_on_the_host() -> None:
+    """Faults at the start of every micro-batch's forward and backward but the first: the gradients already
+    summed on the host are dropped with the attempt, and the step that succeeds equals a fault-free one."""
+    plan = MASTER.replace(micro_batch_size=2)
+
+    def starts(step: int, phases: list[str]) -> list[int]:  # (each micro-batch's first allocation of each phase)
+        return [i for i in range(2, len(phases) + 1) if phases[i - 1] != phases[i - 2]][1:]
+
+    result = sweep(plan, starts, workload=TINY, steps=1)
+    assert not result.failures, "\n".join(result.failures[:10])
+    assert result.injected >= 4 and result.survived == result.injected
+
+
+# -- outside the step, the user's model -------------------------------------------------------------------------
+
+
+def test_the_optimizer_loads_its_state_in_fp32_on_the_host_and_trains_on_as_before() -> None:
+    """torch casts a loaded state to its parameter's dtype and device: bf16 on the device for a halved weight."""
+    runs = []
+    for reload in (False, True):
+        model = make_llama(layers=2, hidden=64)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        guard = master_guard(model, optimizer)
+        with SimulatedGPU("1GiB") as gpu:
+            gpu.adopt(model)
+            guard(BATCHES[0])
+            if reload:
+                saved = clone_state(optimizer.state_dict())
+                optimizer.load_state_dict(saved)
+                for state in optimizer.state.values():
+                    for key, value in state.items():
+                        assert value.dtype == torch.float32 and not gpu.is_device(value), (key, value.dtype)
+                loaded = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+                originals = [v for s in saved["state"].values() for k, v in s.items() if k != "step"]
+                assert all(torch.equal(a, b) for a, b in zip(loaded, originals, strict=True)), "bit for bit"
+                del saved, originals  # (cloned on the device: what the optimizer holds now is its own, on the host)
+            guard(BATCHES[1])
+        runs.append(model.state_dict())
+    assert all(torch.equal(runs[0][name], runs[1][name]) for name in runs[0]), "the reload changed nothing"
+
+
+def test_an_eval_forward_outside_the_step_runs_as_the_steps_own_bf16_forward() -> None:
+    model = make_mlp(width=64)
+    guard = master_guard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mse_step(model))
+    inputs, _ = tuple_batch(8)
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard(tuple_batch(8))
+        model.eval()
+        with torch.no_grad():
+            output = model(inputs)  # fp32 inputs, bf16 weights
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                expected = model(inputs)
+            assert torch.equal(output, expected), "bf16 autocast, as the guard's own forward runs"
+            assert model[0](inputs).shape == (8, 64), "a layer called on its own, too"
+            assert not torch.is_autocast_enabled("cpu"), "and autocast is off again after the forward"
+            with pytest.raises(RuntimeError):
+                model(torch.randn(8, 3))  # (a wrong shape: the forward raises)
+            assert not torch.is_autocast_enabled("cpu"), "even after a forward that raised"
+        model.train()
+        guard(tuple_batch(8))
+
+
+def linear_root() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(16, 1)  # (a model that owns its parameters itself: the copy meets them first)
+
+
+@pytest.mark.parametrize("make", [lambda: make_llama(layers=2, hidden=64), linear_root], ids=["llama", "linear"])
+def test_a_copy_of_the_model_is_the_users_model_with_the_fp32_masters_as_its_weights(make: Any) -> None:
+    model = make()
+    llama = not isinstance(model, torch.nn.Linear)
+    batch = BATCHES[0] if llama else tuple_batch(8)
+
+    def step_of(net: torch.nn.Module) -> Any:
+        return (lambda b: net(**b)) if llama else mse_step(net)
+
+    guard = master_guard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), step_of(model))
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard(batch)
+        next(model.parameters()).data.mul_(0.5)  # (a write on the device since the step: the copies take it)
+        masters = model.state_dict()
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        copies = [copy.deepcopy(model), torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)]
+        for twin in copies:
+            assert all(p.dtype == torch.float32 for p in twin.parameters())
+            assert all(torch.equal(twin.state_dict()[n], masters[n]) for n in masters), "the masters, bit for bit"
+            assert all(torch.equal(p, masters[n]) for n, p in twin.named_parameters())
+            out = twin(**batch).loss if llama else twin(batch[0])
+            assert out.dtype == torch.float32, "an fp32 model: no autocast"
+        guard(batch)  # the original trains on, and the copies do not move with it
+    for twin in copies:
+        assert all(torch.equal(twin.state_dict()[n], masters[n]) for n in masters)
+        other = OOMGuard(step_of(twin), model=twin, optimizer=torch.optim.SGD(twin.parameters(), lr=0.1), ladder=[])
+        other(batch)  # a copy is a model of its own: another guard may take it
+
+
+def test_the_checksums_see_one_changed_element_anywhere_and_a_swap_and_agree_on_the_host() -> None:
+    """The check behind the master level's write detection: row sums of the bit patterns, position-weighted."""
+    with SimulatedGPU("1GiB") as gpu:
+        torch.manual_seed(0)
+        big = torch.randn(64 * ROW + 7).bfloat16()  # (more than one block of rows, and a short last row)
+        small = torch.randn(5, 3).bfloat16()
+        prints = Fingerprints()
+        prints.prepare([big, small])
+        gpu.reset_peak_memory_stats()
+        allocated = gpu.memory_allocated()
+        prints.record([big, small], gpu)
+        assert gpu.max_memory_allocated() == allocated, "a prepared record allocates nothing on the device"
+        on_host = Fingerprints()
+        on_host.record_host([gpu.to_host(big), gpu.to_host(small)])
+        assert torch.equal(on_host._known, prints._known), "the same sums, whoever adds them up"
+        assert prints.changed([big, small], gpu) == [False, False]
+        bits = big.view(torch.int16)
+        for index in (0, ROW - 1, ROW, 63 * ROW + 5, 64 * ROW + 6):
+            bits[index] += 1  # (one bit pattern, one step up)
+            assert prints.changed([big, small], gpu) == [True, False], index
+            bits[index] -= 1
+            assert prints.changed([big, small], gpu) == [False, False], index
+        for first, second in ((10, 20), (ROW - 2, ROW + 3)):  # within a row, across rows
+            assert big[first] != big[second]
+            big[first], big[second] = big[second].clone(), big[first].clone()
+            assert prints.changed([big, small], gpu) == [True, False], (first, second)
+        assert prints.changed([None, small], gpu) == [True, False], "a tensor not checked counts as changed"

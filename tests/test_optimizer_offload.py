@@ -148,3 +148,33 @@ def test_fp16_with_its_gradient_scaler_steps_the_offloaded_state_as_the_device_w
         finals.append([p.detach().clone() for p in model.parameters()])
     for on_device, on_host in zip(*finals, strict=True):
         torch.testing.assert_close(on_host, on_device, rtol=1e-6, atol=1e-6)
+
+
+def test_a_loaded_optimizer_state_goes_to_the_host_and_stays_off_the_device() -> None:
+    """torch's load_state_dict casts each state tensor to its parameter's device: a checkpoint loaded with
+    ``map_location`` the device left Adam's moments there (running it out of memory) until the next step moved
+    them back; loaded on the host, they would have been copied to the device."""
+    model = make_llama(layers=2, hidden=64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    guard = OOMGuard(model_step(model), model=model, optimizer=optimizer, ladder=[])
+    guard.plan = Plan(optimizer_offload=True)
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard(BATCHES[0])
+        saved = copy.deepcopy(optimizer.state_dict())
+        for entry in saved["state"].values():  # (as torch.load(..., map_location="cuda") gives it)
+            entry.update({key: gpu.to_device(value) for key, value in entry.items()})
+        gpu.reset_peak_memory_stats()
+        before = gpu.memory_allocated()
+        optimizer.load_state_dict(saved)
+        assert gpu.max_memory_allocated() == before, "the load made nothing on the device"
+        state = optimizer.state
+        assert all(not gpu.is_device(v) for s in state.values() for v in s.values() if isinstance(v, torch.Tensor))
+        loaded = [v for s in state.values() for v in s.values()]
+        originals = [v for s in saved["state"].values() for v in s.values()]
+        assert all(torch.equal(a, b) for a, b in zip(loaded, originals, strict=True)), "bit for bit"
+        del originals
+        del saved, entry  # (the checkpoint's device copies: freed)
+        guard(BATCHES[1])
+    guard.close()
+    assert all(gpu.is_device(s["exp_avg"]) for s in optimizer.state.values()), "undo brings it to the device"

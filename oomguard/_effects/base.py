@@ -104,6 +104,10 @@ class Effect:
             )
         return None
 
+    def after_micro_batch(self) -> None:
+        """One micro-batch's backward is done (the last one's too, before :meth:`after_backward`): its gradients
+        are in the parameters' ``.grad``, added to what the micro-batches before it left there."""
+
     def after_backward(self) -> None:
         """The last micro-batch's backward is done: hand over what clipping and the optimizer step need."""
 

@@ -153,6 +153,11 @@ class Effects:
             self._scaler_state = scaler.state_dict()
 
     # -- around backward and failures -----------------------------------------------------------------
+    def after_micro_batch(self) -> None:
+        """A micro-batch's backward is done (master weights move its bf16 gradients into fp32 sums on the host)."""
+        for effect in self._effects:
+            effect.after_micro_batch()
+
     def after_backward(self) -> None:
         """The last backward is done (offloaded blocks hand their host gradients to their parameters)."""
         for effect in self._effects:

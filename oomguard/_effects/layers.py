@@ -10,7 +10,7 @@ Copies go through the memory backend's primitives only, so the same code runs on
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._effects.base import Effect, EffectTarget, Packer
+from oomguard._effects.hooks import aside
 from oomguard._errors import GuardConfigError
 from oomguard._ladder.plan import Plan
 
@@ -281,22 +282,9 @@ class LayerOffloader:
         while self.blocks:
             self.restore_last()
 
-    @contextlib.contextmanager
-    def hooks_aside(self) -> Iterator[None]:
-        """Every streaming hook out of its table, and each table back as it was (its order too) after."""
-        tables: dict[int, tuple[dict[Any, Any], list[tuple[Any, Any]]]] = {}
-        for block in self.blocks:
-            for handle in block.handles:
-                table = handle.hooks_dict_ref()  # (a with_kwargs flag stays: keyed by an id no table holds now)
-                if table is not None:
-                    tables.setdefault(id(table), (table, list(table.items())))
-                    table.pop(handle.id, None)
-        try:
-            yield
-        finally:
-            for table, items in tables.values():
-                table.clear()
-                table.update(items)
+    def hooks_aside(self) -> contextlib.AbstractContextManager[None]:
+        """Every streaming hook out of its table for a while (see :func:`oomguard._effects.hooks.aside`)."""
+        return aside(handle for block in self.blocks for handle in block.handles)
 
 
 class _Recasts:

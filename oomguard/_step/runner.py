@@ -271,6 +271,7 @@ class StepRunner:
             self.phase = Phase.BACKWARD
             weighted = loss if weight == 1.0 else loss * weight
             self._backward(scaler.scale(weighted) if scaler is not None else weighted)
+            self.effects.after_micro_batch()  # (still the backward phase: what it moves is per micro-batch)
             contribution = loss.detach().float() * weight
             total = contribution if total is None else total + contribution
             del loss, weighted  # drop the graph's last references before the next micro-batch's forward
