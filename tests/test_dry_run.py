@@ -399,3 +399,37 @@ def test_a_trainer_planned_before_its_first_step_logs_the_metrics_of_its_real_st
     trl_sft.train(restarted, "16MiB")
     assert restarted.oomguard.plan == trainer.oomguard.plan and restarted.oomguard.summary().ooms == 0
     assert_same_metrics(trainer, restarted)
+
+
+def test_a_dry_run_while_master_weights_hold_the_model_plans_the_users_fp32_model_and_leaves_it_halved() -> None:
+    """The master level's weights are bf16 on the device and its hooks run forwards under bf16 autocast: for the
+    dry run they step aside (each parameter its fp32 master, no hook), so a plan measures what it would on the
+    user's own model; afterwards the halves are back and training goes on as if no dry run had happened."""
+    from oomguard._planner.fakes import preplan
+
+    batches = _batches()
+    models = [make_llama(layers=2, hidden=64) for _ in range(2)]
+    fresh = copy.deepcopy(models[0])
+    guards = [OOMGuard(model_step(m), model=m, optimizer=torch.optim.AdamW(m.parameters()), ladder=["amp"],
+                       tune_after=None) for m in models]  # fmt: skip
+    master = Plan(micro_batch_size=4, precision="bf16", optimizer_offload="master")
+    plain = Plan(micro_batch_size=4)
+    with SimulatedGPU("256MiB") as gpu:
+        gpu.adopt(*models)
+        for guard in guards:
+            guard.plan = master
+            guard(batches[0])
+        halves = [(p, p.data_ptr(), p.dtype) for p in models[0].parameters()]
+        assert {dtype for *_, dtype in halves} == {torch.bfloat16}, "halved"
+        report = preplan(model_step(models[0]), batches[1], guards[0].options, gpu, bf16=True, plans=[plain],
+                         effects=guards[0].effects)  # fmt: skip
+        assert all(p.data_ptr() == data and p.dtype == dtype for p, data, dtype in halves), "left halved"
+        losses = [guard(batches[1]).loss for guard in guards]
+    assert report is not None and losses[0] == losses[1], "trains on as if nothing had run"
+    fresh_guard = OOMGuard(model_step(fresh), model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()))
+    with SimulatedGPU("256MiB") as gpu:
+        gpu.adopt(fresh)
+        fresh_guard(batches[0])  # (Adam's state exists, as on the halved model)
+        expected = preplan(model_step(fresh), batches[1], fresh_guard.options, gpu, bf16=True, plans=[plain])
+    assert expected is not None
+    assert report.candidates[0].peak_bytes == expected.candidates[0].peak_bytes, "the user's fp32 model, planned"
