@@ -178,3 +178,17 @@ def test_a_loaded_optimizer_state_goes_to_the_host_and_stays_off_the_device() ->
         guard(BATCHES[1])
     guard.close()
     assert all(gpu.is_device(s["exp_avg"]) for s in optimizer.state.values()), "undo brings it to the device"
+
+
+def test_giving_up_says_the_optimizer_state_could_not_come_back() -> None:
+    """Before: "0 offloaded block(s) could not be brought back to the device", whatever stayed on the host."""
+    from oomguard import LadderExhausted
+
+    model = make_llama(layers=2, hidden=64)
+    guard = OOMGuard(model_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters()), ladder=[])
+    guard.plan = Plan(optimizer_offload=True)
+    with SimulatedGPU(peak_of(Plan(optimizer_offload=True)) * 11 // 10) as gpu:
+        gpu.adopt(model)
+        guard(BATCHES[0])  # Adam's state is on the host now, and would not fit back beside the weights
+        with pytest.raises(LadderExhausted, match="the optimizer state on the host could not be brought back"):
+            guard(lm_batch(16, 16))

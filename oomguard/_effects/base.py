@@ -92,6 +92,11 @@ class Effect:
         """Whether the model is changed by this effect now (then no other guard may take the model)."""
         return False
 
+    @property
+    def held(self) -> str:
+        """What this effect holds now, in words for a message (``"2 offloaded block(s)"``)."""
+        return type(self).__name__
+
     def suspended(self) -> contextlib.AbstractContextManager[None] | None:
         """For a dry run of the model on fake tensors (the planner swaps fakes in for the parameters): a context
         in which the model's structure is as if this effect held nothing (its hooks and patched methods out of the

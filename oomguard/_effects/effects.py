@@ -169,17 +169,18 @@ class Effects:
             effect.reset()
 
     def undo(self, logged: bool = False) -> str | None:
-        """:meth:`close`, for a guard that gives up or is dropped: what could not be undone (offloaded blocks that
-        could not come back, for want of memory) is returned, and ``logged`` too, rather than raised."""
+        """:meth:`close`, for a guard that gives up or is dropped: what could not be undone (what could not come back
+        to the device, for want of memory) is returned, and ``logged`` too, rather than raised."""
         try:
             self.close()
             return None
         except Exception as exc:
             if not is_oom(exc):
                 raise
-        left = (  # outside the except block: the failed restore's frames are gone
-            f"{self.offloaded_layers} offloaded block(s) could not be brought back to the device (out of memory): "
-            f"the model is still the guard's, as its plan had it; call guard.close() once memory allows"
+        held = ", ".join(effect.held for effect in self._effects if effect.holds)  # (the except block is over)
+        left = (
+            f"{held} could not be brought back to the device (out of memory): the model and optimizer are still "
+            f"the guard's, as its plan had them; call guard.close() once memory allows"
         )
         if logged:
             logger.warning("oomguard: %s", left)

@@ -319,6 +319,10 @@ class LayerOffloadEffect(Effect):
     def holds(self) -> bool:
         return self.offloaded > 0
 
+    @property
+    def held(self) -> str:
+        return f"{self.offloaded} offloaded block(s)"
+
     def check(self, plan: Plan) -> None:
         blocks = len(self.target.blocks)
         if plan.offload_layers > blocks:

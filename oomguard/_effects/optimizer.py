@@ -63,6 +63,10 @@ class OptimizerOffloadEffect(Effect):
         return self._backend is not None
 
     @property
+    def held(self) -> str:
+        return "the optimizer state" + (" and the fp32 master weights" if self._level.engaged else "") + " on the host"
+
+    @property
     def _masters(self) -> dict[torch.nn.Parameter, torch.Tensor]:
         """Each halved parameter's fp32 master (on the host)."""
         return self._level.masters

@@ -107,6 +107,10 @@ class QuantizedOptimizerEffect(Effect):
     def holds(self) -> bool:
         return self._engaged
 
+    @property
+    def held(self) -> str:
+        return "the optimizer state in 8 bits"
+
     def check(self, plan: Plan) -> None:
         if plan.quantized_optimizer and not can_quantize(self.target.optimizer):
             raise GuardConfigError(

@@ -83,6 +83,10 @@ class QuantizedWeightsEffect(Effect):
     def holds(self) -> bool:
         return bool(self._layers)
 
+    @property
+    def held(self) -> str:
+        return f"{len(self._layers)} quantized frozen weight(s)"
+
     def suspended(self) -> contextlib.AbstractContextManager[None] | None:
         """What the planner's dry run asks of an effect that holds the model: nothing needs to step aside here. No
         method is patched, and the planner's fakes replace each quantized weight in its module's parameter table,
