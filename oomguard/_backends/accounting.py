@@ -41,9 +41,9 @@ from torch.utils._pytree import tree_map
 
 from oomguard._backends.dispatch import (
     FRESH,
+    PAUSED,
     RESIZE,
     AccountingMode,
-    Paused,
     aligned,
     all_host,
     compiled_model_note,
@@ -107,7 +107,7 @@ class AccountedDevice:
         # lock would deadlock.
         self._lock = threading.RLock()
         self._fail_in: int | None = None  # allocations left before an injected failure
-        self._paused = Paused()
+        self._paused = PAUSED
         self._mode: AccountingMode | None = None
         self._on_allocate = on_allocate
         self.empty_cache_calls = 0

@@ -91,16 +91,25 @@ def to_meta(value: Any) -> Any:
 
 
 class Paused(threading.local):
-    """Set while the device copies outside the accounting (per thread: other threads are still accounted);
-    ``with paused:`` sets it for the block."""
+    """Set while a device copies outside the accounting (per thread: other threads are still accounted);
+    ``with paused:`` sets it for the block. One for every device (:data:`PAUSED`): a copy one device makes through
+    its own primitives is accounted by that device alone, even while another one's mode is active (a guard
+    dropped in one simulation and undone, by the garbage collector, inside the next)."""
 
-    active = False
+    depth = 0
+
+    @property
+    def active(self) -> bool:
+        return self.depth > 0
 
     def __enter__(self) -> None:
-        self.active = True
+        self.depth += 1
 
     def __exit__(self, *exc: object) -> None:
-        self.active = False
+        self.depth -= 1
+
+
+PAUSED = Paused()
 
 
 ALIGN = 512  # CUDA's caching allocator rounds every block up to 512 bytes
