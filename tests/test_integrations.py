@@ -142,6 +142,22 @@ def test_accelerate_backward_is_used_and_training_matches_a_plain_loop() -> None
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
+def test_the_jump_plans_a_job_accelerate_prepared(caplog: pytest.LogCaptureFixture) -> None:
+    """Before: the dry run rebuilt Accelerate's optimizer wrapper over the fakes (it takes an optimizer, not
+    parameter groups) and failed: the guard walked the ladder instead."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = make_mlp(width=256)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, accelerator=accelerator)
+    with SimulatedGPU("256KiB") as gpu:
+        gpu.adopt(model)
+        result = step(tuple_batch(n=128))
+    assert result.ooms == 1 and "dry run of this step failed" not in caplog.text
+    assert any(e.kind == "fallback" and "dry-run planner" in e.description for e in step.guard.events)
+
+
 def test_the_trainer_integration_needs_no_change_to_the_model(tmp_path: Path) -> None:
     from oomguard.integrations.transformers import OOMGuardTrainer
 

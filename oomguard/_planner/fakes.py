@@ -247,7 +247,10 @@ def _swapped(model: torch.nn.Module, fake: Callable[[torch.Tensor], torch.Tensor
 def _rebuilt(
     optimizer: torch.optim.Optimizer, fake: Callable[[torch.Tensor], torch.Tensor], cuda: bool
 ) -> torch.optim.Optimizer:
-    """The same optimizer class and options over the fake parameters (foreach where CUDA would default to it)."""
+    """The same optimizer class and options over the fake parameters (foreach where CUDA would default to it); for
+    a wrapper such as Accelerate's, the optimizer it wraps (whose step it runs)."""
+    inner = getattr(optimizer, "optimizer", None)
+    optimizer = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
     groups = []
     for group in optimizer.param_groups:
         options = {key: value for key, value in group.items() if key != "params"}
