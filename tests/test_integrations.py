@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_llama, make_mlp, mse_step, tuple_batch
 
-from oomguard import GuardConfigError, oom_guard
+from oomguard import GuardConfigError, Plan, oom_guard
 from oomguard.testing import SimulatedGPU
 
 transformers = pytest.importorskip("transformers")
@@ -169,3 +169,26 @@ def test_the_trainer_integration_needs_no_change_to_the_model(tmp_path: Path) ->
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), "it trained"
     with pytest.raises(GuardConfigError, match="sets"):
         OOMGuardTrainer(model=model, args=training_args(tmp_path), oomguard={"model": model})
+
+
+def test_when_training_ends_the_model_is_as_it_was_given_and_a_second_trainer_takes_it(tmp_path: Path) -> None:
+    """Before: the guard's plan stayed applied after ``train()`` until the trainer was garbage-collected (a Trainer
+    lives in reference cycles): Adam's state on the host, and a second trainer on the same model refused with
+    "another guard has changed this model" (or, in the suite, the undo ran later inside another test's device)."""
+    from oomguard.integrations.transformers import OOMGuardTrainer
+
+    model = make_llama(layers=2, hidden=64)
+    first = OOMGuardTrainer(model=model, args=training_args(tmp_path / "first"), train_dataset=RaggedText(),
+                            oomguard={"ladder": ["optimizer_offload"]})  # fmt: skip
+    with SimulatedGPU("64MiB") as gpu:
+        gpu.adopt(model)
+        first.train()  # (roomy: the plan is set by hand below, for a second run)
+        first.oomguard.plan = Plan(optimizer_offload=True)
+        first.train()
+        assert first.oomguard.plan == Plan(optimizer_offload=True), "the plan is kept"
+        assert not first.oomguard.effects.holds
+        states = [v for s in first.optimizer.state.values() for k, v in s.items() if k != "step"]
+        assert states and all(gpu.is_device(v) for v in states), "Adam's state back on the device"
+        second = OOMGuardTrainer(model=model, args=training_args(tmp_path / "second"), train_dataset=RaggedText())
+        second.train()
+    assert second.state.global_step == 4

@@ -21,6 +21,7 @@ __all__ = [
     "CudaMemory",
     "MemoryBackend",
     "MemorySnapshot",
+    "active_simulation",
     "bf16_supported",
     "copy_into",
     "current_backend",
@@ -338,6 +339,11 @@ def pop_backend(backend: MemoryBackend) -> None:
     if not _OVERRIDES or _OVERRIDES[-1] is not backend:
         raise RuntimeError("memory backends must be left in the reverse order they were entered")
     _OVERRIDES.pop()
+
+
+def active_simulation() -> MemoryBackend | None:
+    """The simulated device active now (the innermost), if any."""
+    return _OVERRIDES[-1] if _OVERRIDES else None
 
 
 def current_backend(device: torch.device) -> MemoryBackend:

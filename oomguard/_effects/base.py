@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from oomguard._backends.memory import MemoryBackend
+from oomguard._backends.memory import MemoryBackend, active_simulation, current_backend
 from oomguard._ladder.plan import Plan
 
 __all__ = ["Effect", "EffectTarget", "Packer"]
@@ -32,11 +32,20 @@ class EffectTarget:
     #: Identities of the device storages of streamed (offloaded) weights, kept by the layer-offload effect:
     #: autocast must not cache copies of them, and activation offload must leave them on the device.
     streamed: set[int] = field(default_factory=set)
-    #: Where the model trains ("cuda", "cpu"...), read once: layer offload later points parameters at host copies.
-    device_type: str = field(init=False)
+    #: Where the model trains, read once: layer offload later points parameters at host copies.
+    device: torch.device = field(init=False)
+    device_type: str = field(init=False)  # ("cuda", "cpu"...)
 
     def __post_init__(self) -> None:
-        self.device_type = next(self.model.parameters()).device.type
+        self.device = next(self.model.parameters()).device
+        self.device_type = self.device.type
+
+    def backend(self, applied: MemoryBackend | None) -> MemoryBackend:
+        """The memory backend an undo copies through: a simulated device active now (a guard may be closed inside
+        another simulation than the one its plan was applied in), else the backend the plan was ``applied``
+        with (closed after its simulation ended, say), else the model's device's."""
+        active = active_simulation()
+        return active if active is not None else applied if applied is not None else current_backend(self.device)
 
 
 class Packer(Protocol):

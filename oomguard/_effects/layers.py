@@ -369,6 +369,7 @@ class LayerOffloadEffect(Effect):
     def close(self) -> None:
         if self._layers is None:
             return
+        self._layers.backend = self.target.backend(self._layers.backend)  # (see EffectTarget.backend)
         try:
             self._layers.close()
             self._layers = None

@@ -214,9 +214,9 @@ class OptimizerOffloadEffect(Effect):
         """The weights and the state back on the device: each fp32 master, what was moved, and what the host
         steps created in the parameter's shape (moments); a step counter the optimizer keeps on the host by
         design stays there."""
-        backend = self._backend
-        if backend is None:
+        if self._backend is None:
             return
+        backend = self.target.backend(self._backend)
         self._level.restore(backend)
         for param, state in self.target.optimizer.state.items():
             if not backend.is_device(param):

@@ -159,6 +159,17 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
         self.optimizer.step = types.MethodType(step, self.optimizer)  # the Trainer's own call goes through it
         return guard
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`transformers.Trainer.train`, after which the model is as it was given: whatever the guard's plan
+        changed (offloaded state and layers, checkpointing, halved or quantized weights) is undone when training
+        ends, however it ends (the plan is kept: the next ``train()`` starts on it). What cannot come back to the
+        device for want of memory stays the guard's, with a warning saying what."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._guard is not None:
+                self._guard.effects.undo(logged=True)
+
     # -- the step -------------------------------------------------------------------------------------------
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
