@@ -26,6 +26,7 @@ from oomguard._backends.units import format_bytes, parse_bytes
 from oomguard._cli.data import VOCAB_SIZE, stdlib_text, text_batches
 from oomguard._cli.errors import bad_input
 from oomguard._decorator import oom_guard
+from oomguard._extras import require
 from oomguard._guard.results import StepResult
 
 __all__ = ["DemoConfig", "add_arguments", "run"]
@@ -95,6 +96,7 @@ def _config(args: argparse.Namespace) -> DemoConfig:
 
 def build_model(config: DemoConfig) -> torch.nn.Module:
     """A Llama-architecture causal LM from a config, with random weights (nothing is downloaded)."""
+    require("transformers", extra="hf", purpose="the demo's Llama model")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(config.seed)

@@ -9,7 +9,6 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import tenacity
 import torch
 
 from oomguard._backends.memory import MemoryBackend, MemorySnapshot, snapshot
@@ -68,9 +67,6 @@ def released(exc: BaseException) -> BaseException:
     return exc
 
 
-_RETRYING = tenacity.Retrying()  # what a RetryCallState must name; the guard applies the bounds below itself
-
-
 @dataclass(eq=False)
 class Call:
     """The state of one guarded call across its attempts."""
@@ -84,8 +80,7 @@ class Call:
     step: int  # the step the call counts as (a replay of a step keeps that step's number)
     tried: list[tuple[Plan, FailureSummary]] = field(default_factory=list)
     seconds_lost: float = 0.0
-    #: tenacity's view of the attempts so far (their number, and the time since the call began).
-    attempts: tenacity.RetryCallState = field(default_factory=lambda: tenacity.RetryCallState(_RETRYING, None, (), {}))
+    started: float = field(default_factory=time.monotonic)  # when the call began (the time bound counts from it)
     #: The backend's host<->device byte count when the call began (what the call copied is the difference).
     transferred: int = field(init=False)
 
@@ -94,21 +89,16 @@ class Call:
 
 
 class Bounds:
-    """The bounds on one call's recovery, as tenacity's stop strategies: attempts, and seconds since the call
-    began."""
+    """The bounds on one call's recovery: attempts, and seconds since the call began (None: no time bound)."""
 
     def __init__(self, max_attempts: int, max_seconds: float | None) -> None:
         self.max_attempts, self.max_seconds = max_attempts, max_seconds
-        self._attempts = tenacity.stop_after_attempt(max_attempts)
-        self._time = tenacity.stop_after_delay(max_seconds) if max_seconds is not None else tenacity.stop_never
 
     def reached(self, call: Call) -> GiveUp | None:
-        """Which bound the attempts so far have reached (the time bound first), after one more failed."""
-        state = call.attempts
-        state.set_result(None)  # stamps the time of this outcome
-        reason: GiveUp | None = "time" if self._time(state) else "attempts" if self._attempts(state) else None
-        state.prepare_for_next_attempt()
-        return reason
+        """Which bound the attempts so far (every one failed) have reached, the time bound first."""
+        if self.max_seconds is not None and time.monotonic() - call.started >= self.max_seconds:
+            return "time"
+        return "attempts" if len(call.tried) >= self.max_attempts else None
 
 
 def flush_autograd_queue(device: torch.device) -> None:

@@ -11,6 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard._backends.units import parse_bytes
+from oomguard._extras import require
 from oomguard._ladder.rungs import Rung
 from oomguard._planner.engine import dry_run
 from oomguard._planner.lora import ALL_LINEAR, add_lora
@@ -146,6 +147,7 @@ class _quiet_transformers:
     """Silence transformers' per-call notices (checkpointing and cache warnings) while planning."""
 
     def __enter__(self) -> None:
+        require("transformers", extra="hf", purpose="planning a transformers model (a preset or a config)")
         from transformers.utils import logging as transformers_logging
 
         # transformers sets its logger's level when it first configures it, at the first import of one of its

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from oomguard._extras import require
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -73,7 +75,8 @@ def load_config(spec: str | Path | PretrainedConfig | dict[str, Any]) -> Pretrai
     >>> load_config("gpt2").n_layer
     12
     """
-    import transformers  # imported when needed: `import oomguard` stays light
+    # imported when needed: `import oomguard` stays light, and needs no transformers
+    transformers = require("transformers", extra="hf", purpose="planning a transformers model (a preset or a config)")
     from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 

@@ -38,8 +38,14 @@ from typing import Any, TypeVar
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from transformers import Trainer
-from transformers.training_args import ParallelMode
+
+try:
+    from transformers import Trainer
+    from transformers.training_args import ParallelMode
+except ImportError as error:  # say which extra installs it
+    from oomguard._extras import missing
+
+    raise missing("transformers", extra="hf", purpose="oomguard.integrations.transformers (OOMGuardTrainer)") from error
 
 from oomguard._backends.memory import current_backend
 from oomguard._errors import GuardConfigError
