@@ -115,7 +115,7 @@ def oom_guard(fn: Callable[[Any], Any] | None = None, /, **options: Any) -> Any:
             scaling included), and its mixed precision replaces the amp rung. Pass the prepared model and
             optimizer.
         preplan: before the first step, run the dry-run planner (:func:`oomguard.plan`'s engine) on fake
-            copies of the model and the first batch, and start on the cheapest plan predicted to fit, so a job
+            copies of the model and the first batch, and start on the fastest plan predicted to fit, so a job
             that would run out of memory starts on a fitting plan without a single OOM. Ignored when a state
             file already holds a plan, and under torch.distributed. Costs seconds, once.
 

@@ -357,7 +357,7 @@ def run_step(
     guard.effects._scaler_state = clone_state(state.scaler)  # the committed fp16 loss scale, as a running guard has it
     with gpu:
         gpu.adopt(model, optimizer)
-        gpu.phase = lambda: guard._runner.phase
+        gpu.phase = lambda: guard._runner.progress.phase
         start = gpu.allocations
         if fault is not None:
             gpu.fail_allocation(fault)

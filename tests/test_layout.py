@@ -76,3 +76,40 @@ def test_policy_knows_nothing_of_torch_state_and_the_planner_never_builds_a_guar
 def test_modules_stay_small() -> None:
     sizes = {path.name: len(path.read_text(encoding="utf-8").splitlines()) for path in PACKAGE.rglob("*.py")}
     assert max(sizes.values()) <= 400, sorted(sizes.items(), key=lambda item: -item[1])[:3]
+
+
+def _calls_and_writes(path: Path) -> tuple[set[str], set[str]]:
+    """The methods ``path`` calls by name (``x.held()``), and what it writes of a call's record (``call.plan =``,
+    ``call.tried.append(...)``, ``Call(...)``)."""
+    called, written = set(), set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            called.add(node.func.attr)
+            owner = node.func.value
+            if isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) and owner.value.id == "call":
+                written.add(f"call.{owner.attr}.{node.func.attr}()")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Call":
+            written.add("Call()")
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        )
+        for target in targets:
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "call":
+                written.add(f"call.{target.attr} =")
+    return called, written
+
+
+def test_signals_are_held_and_delivered_and_the_call_record_written_by_the_recovery_loop_alone() -> None:
+    """Issue 24: shutdown signals were held and delivered from eight places in five files, and the per-call record
+    was written from four modules. Now both are the recovery loop's (``oomguard/_guard/loop.py``); the module
+    that defines the holding (``interrupts.py``) and the record (``call.py``) aside."""
+    holders, writers = set(), set()
+    for path in PACKAGE.rglob("*.py"):
+        called, written = _calls_and_writes(path)
+        name = str(path.relative_to(PACKAGE))
+        if {"held", "deliver"} & called and name != "_effects/interrupts.py":
+            holders.add(name)
+        if {w for w in written if not w.startswith("call.tried.") or w.endswith(("append()", "extend()"))}:
+            writers.add(name)
+    assert holders == {"_guard/loop.py"}
+    assert writers == {"_guard/loop.py"}

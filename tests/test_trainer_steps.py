@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_integrations import RaggedText, train_plain, training_args
 
+from oomguard._guard.loop import Loop
 from oomguard.testing import SimulatedGPU
 
 transformers = pytest.importorskip("transformers")
@@ -142,6 +143,50 @@ def test_a_replayed_optimizer_step_counts_as_one_recovered_step(tmp_path: Path) 
     summary = trainer.oomguard.summary()
     assert (summary.steps, summary.ooms, summary.recovered_steps) == (4, 1, 1), summary.describe()
     assert {e.step for e in trainer.oomguard.events if e.kind in ("oom", "fallback", "recovered")} == {2}
+    assert_same_training(model, trainer, reference, plain)
+
+
+class FaultInTheOptimizerAndItsReplay(FaultInTheOptimizer):
+    """Then the replay's first allocation (its forward, on the plan one rung down) fails too, once."""
+
+    replays = 0
+
+    def _replay(self, clip: bool) -> None:
+        type(self).replays += 1
+        if type(self).replays == 1:
+            self.gpu.fail_allocation(1)
+        super()._replay(clip)
+
+
+def test_an_oom_in_a_replay_is_an_attempt_of_the_same_step_in_one_recovery_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24: the replay ran a second recovery loop nested inside the first, coupled by a flag; its OOMs were
+    numbered from 1 again. Now a replay is an attempt of the step's one loop: its failure comes back to it as a
+    value, and the step's attempts count on (1 in the optimizer step, 2 in the replay's forward)."""
+    depth, deepest = [0], [0]
+    run = Loop.run
+
+    def counted(self: Loop, *args: Any, **kwargs: Any) -> Any:
+        depth[0] += 1
+        deepest[0] = max(deepest[0], depth[0])
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    monkeypatch.setattr(Loop, "run", counted)
+    reference, plain = train_plain(tmp_path / "plain")
+    FaultInTheOptimizerAndItsReplay.armed, FaultInTheOptimizerAndItsReplay.replays = False, 0
+    model, trainer = train_guarded(
+        tmp_path / "guarded", FaultInTheOptimizerAndItsReplay, oomguard={"step_journal": "always"}
+    )
+    assert FaultInTheOptimizerAndItsReplay.replays == 2, "the failed replay, then the one that held"
+    assert deepest[0] == 1, "one recovery loop, never one inside another"
+    ooms = oom_events(trainer)
+    assert [(e.step, e.attempt, e.error.phase) for e in ooms] == [(2, 1, "optimizer"), (2, 2, "forward")]
+    summary = trainer.oomguard.summary()
+    assert (summary.steps, summary.ooms, summary.recovered_steps) == (4, 2, 1), summary.describe()
     assert_same_training(model, trainer, reference, plain)
 
 

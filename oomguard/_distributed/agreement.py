@@ -129,9 +129,11 @@ def quiet_ddp(ddp: torch.nn.parallel.DistributedDataParallel | None) -> Iterator
         yield
         return
     ddp.require_forward_param_sync = False  # the same known state on every rank, whatever failed before
-    with ddp.no_sync():
-        yield
-    ddp.require_forward_param_sync = False
+    try:
+        with ddp.no_sync():
+            yield
+    finally:  # (a failed forward too: DDP's next forward must not broadcast buffers in the middle of a retry)
+        ddp.require_forward_param_sync = False
 
 
 def unwrap(model: torch.nn.Module) -> Any:

@@ -22,8 +22,11 @@ __all__ = ["Interrupts", "run_whole"]
 
 _SIGNALS = tuple(s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None)) if s is not None)
 #: Signals a fault raises synchronously (blocking them would only turn the fault into a silent kill).
-_FAULTS = {getattr(signal, name) for name in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS")
-           if hasattr(signal, name)}  # fmt: skip
+_FAULTS = {
+    getattr(signal, name)
+    for name in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS")
+    if hasattr(signal, name)
+}
 _TRIES = 3  # times an interrupted part of a whole run is run again before the run moves on
 
 

@@ -20,10 +20,10 @@ The transaction has two paths:
 Host copies are kept between journaled steps (pinned buffers are expensive to make on CUDA) and released once
 the fast path takes over.
 
-An interrupt never splits a step: SIGINT and SIGTERM are held while the step runs (:mod:`.interrupts`). One that
-arrives during a step that completes is delivered by the guard once the step is committed and counted; during a
-step that fails, once it is undone (nothing committed). An interrupt raised by code inside a fast step (not a
-signal) propagates as itself; the guard then refuses to train on the half-stepped model.
+An interrupt never splits a step: the guard holds SIGINT and SIGTERM from the step until it is counted
+(``oomguard._guard.loop``), and the journal's undo runs whole (:func:`.interrupts.run_whole`). An interrupt
+raised by code inside a fast step (not a signal) propagates as itself; the guard then refuses to train on the
+half-stepped model.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from oomguard._backends.memory import MemoryBackend
 from oomguard._detect import is_oom
 from oomguard._distributed.peers import Agree, peer_failure
-from oomguard._effects.interrupts import Interrupts, run_whole
+from oomguard._effects.interrupts import run_whole
 from oomguard._errors import StepRollbackError
 from oomguard._ladder.plan import Phase
 
@@ -68,8 +68,6 @@ class OptimizerTransaction:
         self._host: dict[int, torch.Tensor] = {}  # id(device tensor) -> reusable host copy
         #: How many steps took the journaled path (for tests and diagnostics).
         self.journaled_steps = 0
-        #: Shutdown signals held while a step runs (the guard delivers those that arrived during a fast step).
-        self.interrupts = Interrupts()
         #: Why the optimizer can no longer be trusted: a fast step was interrupted half-way. Every later step
         #: refuses with this.
         self.broken: str | None = None
@@ -130,19 +128,11 @@ class OptimizerTransaction:
         params = self._params()
         before = backend.memory_allocated()
         run = run or self._runner(backend, scheduler, scaler)
-        committed = False
-        try:
-            with self.interrupts.held():
-                if allow_fast and self._may_skip_journal(backend, params):
-                    self._host.clear()
-                    self._fast_step(params, run, agree)
-                    committed = True
-                else:
-                    self._journaled_step(backend, params, run, scheduler, agree)
-                    committed = True
-        finally:
-            if not committed:  # nothing was committed: a signal held meanwhile is acted on now
-                self.interrupts.deliver()
+        if allow_fast and self._may_skip_journal(backend, params):
+            self._host.clear()
+            self._fast_step(params, run, agree)
+        else:
+            self._journaled_step(backend, params, run, scheduler, agree)
         self._measure(backend, before, params)
 
     def _runner(

@@ -1,21 +1,23 @@
-"""What the recovery loop retries: an attempt runs one plan, and says where it was when it ran out of memory."""
+"""What the recovery loop retries (:class:`oomguard._guard.loop.Attempt`): a call's batch through the step
+runner, or a part of a step that someone else drives after it (the Trainer's clipping and optimizer step)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._distributed.agreement import Agreement
 from oomguard._effects.effects import Effects
 from oomguard._effects.transaction import OptimizerTransaction
 from oomguard._errors import GuardConfigError
-from oomguard._guard.recovery import Call
+from oomguard._guard.call import Call
 from oomguard._ladder.plan import Phase, Plan
-from oomguard._step.runner import AttemptOutput, Reduction, StepRunner
+from oomguard._step.outcome import AttemptFailure, AttemptOutput
+from oomguard._step.runner import Gradients, Reduction, StepRunner
 
-__all__ = ["Attempt", "OneCallAtATime", "Run", "Tail", "undoable"]
+__all__ = ["OneCallAtATime", "ReplayFailed", "Run", "Tail", "undoable"]
 
 T = TypeVar("T")
 
@@ -40,107 +42,74 @@ class OneCallAtATime:
         self._lock.release()
 
 
-class Attempt(Generic[T]):
-    """One try at a plan. After a failure the loop reads where it was (``phase``, ``micro_batch``), the memory in
-    use when it began (``base``, None where unknown) and, under distributed training, what the ranks agreed."""
-
-    def __call__(self, plan: Plan) -> T:
-        raise NotImplementedError
-
-    @property
-    def phase(self) -> Phase:
-        return Phase.OPTIMIZER
-
-    @property
-    def micro_batch(self) -> int:
-        return 0
-
-    @property
-    def base(self) -> int | None:
-        return None
-
-    @property
-    def agreement(self) -> Agreement | None:
-        """The agreement protocol of a distributed job, where this attempt takes part in one."""
-        return None
-
-    @property
-    def agreed_phase(self) -> Phase | None:
-        """The deepest phase any rank failed in, where the ranks agreed on one."""
-        return None
-
-
-class Run(Attempt[AttemptOutput]):
-    """A call's batch through the step runner, with or without the optimizer step."""
+class Run:
+    """A call's batch through the step runner, with the optimizer step (``step``) or leaving it to the caller."""
 
     def __init__(self, runner: StepRunner, call: Call, *, step: bool, reduction: Reduction | None) -> None:
         self.runner, self.call, self.step, self.reduction = runner, call, step, reduction
+        self.agreement: Agreement | None = runner.agreement
 
-    def __call__(self, plan: Plan) -> AttemptOutput:
+    def gradients(self, plan: Plan) -> Gradients | AttemptFailure:
         call = self.call
-        return self.runner.run(call.batch, call.size, plan, call.backend, step=self.step, reduction=self.reduction)
+        return self.runner.gradients(
+            call.batch, call.size, plan, call.backend, step=self.step, reduction=self.reduction
+        )
 
-    @property
-    def phase(self) -> Phase:
-        return self.runner.phase
-
-    @property
-    def micro_batch(self) -> int:
-        return self.runner.micro_batch
-
-    @property
-    def base(self) -> int | None:
-        return self.runner.base
-
-    @property
-    def agreement(self) -> Agreement | None:
-        return self.runner.agreement
-
-    @property
-    def agreed_phase(self) -> Phase | None:
-        verdict = self.runner.verdict
-        return verdict.phase if verdict is not None and verdict.outcome != "ok" else None
+    def commit(self, gradients: Gradients) -> AttemptOutput | AttemptFailure:
+        return self.runner.commit(gradients)
 
 
-class Tail(Attempt[T]):
+class ReplayFailed(Exception):
+    """How a replay's failed attempt comes back through the caller's code that asked for it (see :class:`Tail`):
+    raised by the guard's ``accumulate`` during a replay, caught by the tail that replays. Never reaches a user."""
+
+    def __init__(self, failure: AttemptFailure) -> None:
+        super().__init__("a replay of the step's gradients failed")
+        self.failure = failure
+
+
+class Tail(Generic[T]):
     """A part of a step that someone else drives after the guarded forward and backward (the Trainer's clipping
-    and optimizer step).
+    and optimizer step), as an attempt of the recovery loop.
 
-    On a cheaper plan (after an OOM in the part) ``replan`` first recomputes the same batch's gradients on it and
-    returns the plan that took (a replay may go deeper still); then the part runs again.
+    On a plan other than the one the gradients were computed on (after an OOM in the part), its gradients half
+    first recomputes the same batch's gradients on that plan through ``replay`` (the caller's code, which calls
+    the guard's ``accumulate`` again: during a replay that is one attempt of this loop, and its failure comes back
+    here as :class:`ReplayFailed`); then the part runs again.
     """
 
-    def __init__(self, call: Call, run: Callable[[], T], replan: Callable[[Plan], Plan], phase: Phase) -> None:
-        self.call, self.run, self.replan, self._phase = call, run, replan, phase
-        self.ran_on = call.plan  # the plan the gradients were computed on
+    agreement: Agreement | None = None  # (the part is the caller's: no agreement of the guard's runs in it)
 
-    def __call__(self, plan: Plan) -> T:
+    def __init__(self, ran_on: Plan, run: Callable[[Plan], T], replay: Callable[[Plan], None], phase: Phase) -> None:
+        self.run, self.replay, self.phase = run, replay, phase
+        self.ran_on = ran_on  # the plan the gradients were computed on
+
+    def gradients(self, plan: Plan) -> Plan | AttemptFailure:
         if plan != self.ran_on:
-            self.ran_on = self.call.plan = self.replan(plan)
-        return self.run()
+            try:
+                self.replay(plan)
+            except ReplayFailed as failed:
+                return failed.failure
+            self.ran_on = plan
+        return plan
 
-    @property
-    def phase(self) -> Phase:
-        return self._phase
+    def commit(self, plan: Plan) -> T | AttemptFailure:
+        try:
+            return self.run(plan)
+        except Exception as exc:  # (the record is not kept in this frame: see StepRunner._failed)
+            return AttemptFailure(exc, plan, self.phase, 0, None)
 
 
 def undoable(
-    transaction: OptimizerTransaction, backend: MemoryBackend, run: Callable[[], T], effects: Effects, on: HasPlan
-) -> Callable[[], T]:
-    """``run`` (an optimizer step) through the transaction, undone if it raises, with the effects of the plan
-    ``on.plan`` has when it runs (optimizer offload steps on the host)."""
+    transaction: OptimizerTransaction, backend: MemoryBackend, run: Callable[[], T], effects: Effects
+) -> Callable[[Plan], T]:
+    """``run`` (an optimizer step) through the transaction, undone if it raises, with the effects of the plan it
+    is given (optimizer offload steps on the host). The caller holds signals around it (the recovery loop)."""
 
-    def step() -> T:
+    def step(plan: Plan) -> T:
         result: list[T] = []
-        # Signals held until the effects are done too (optimizer offload copies the stepped parameters back after
-        # the transaction commits): the caller delivers them once the step is whole.
-        with transaction.interrupts.held(), effects.optimizer_step(on.plan, backend):
+        with effects.optimizer_step(plan, backend):
             transaction.step(backend, run=lambda: result.append(run()))
         return result[0]
 
     return step
-
-
-class HasPlan(Protocol):
-    @property
-    def plan(self) -> Plan: ...

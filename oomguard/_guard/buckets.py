@@ -43,7 +43,7 @@ logger = logging.getLogger("oomguard")
 @dataclass
 class _Bucket:
     plan: Plan
-    wait: int  # clean steps to wait before the next try at a cheaper plan
+    wait: int  # clean steps to wait before the next try at stepping back up
     clean: int = 0  # consecutive clean steps on ``plan``
     saved: bool = False  # whether the state file has this bucket's plan
     fitted: bool = False  # whether a call of this bucket succeeded in this run
@@ -51,13 +51,13 @@ class _Bucket:
 
 @dataclass(frozen=True)
 class Choice:
-    """The plan for one call, and whether it is a one-off try at a cheaper plan than the bucket's."""
+    """The plan for one call, and whether it is a one-off try at stepping back up (a less degraded plan)."""
 
     bucket: int
     plan: Plan
     fallback: Plan | None = None  # the bucket's plan, to return to if the try at ``plan`` fails
     given_back: str | None = None  # the rung that try gives back
-    trial: bool = False  # ``plan`` is timed against the bucket's (tuning), not a cheaper plan tried
+    trial: bool = False  # ``plan`` is timed against the bucket's (tuning), not a try at stepping back up
 
     @property
     def relaxing(self) -> bool:
@@ -169,16 +169,16 @@ class Buckets:
         relaxed = self.ladder.relax(state.plan, size)
         if relaxed is None:
             return Choice(bucket, state.plan)
-        rung, cheaper = relaxed
-        cheaper = self._sized(cheaper, size, sizing, grow=True)
-        return Choice(bucket, cheaper, fallback=state.plan, given_back=rung.name)
+        rung, lighter = relaxed
+        lighter = self._sized(lighter, size, sizing, grow=True)
+        return Choice(bucket, lighter, fallback=state.plan, given_back=rung.name)
 
     def _starting_plan(self, bucket: int, size: int, sizing: Callable[[Plan], int | None]) -> Plan:
         smaller = [b for b in self._buckets if b < bucket]
         larger = [b for b in self._buckets if b > bucket]
         if smaller:  # a larger batch needs at least what the nearest smaller one needed
             plan = self._buckets[max(smaller)].plan
-        elif larger:  # a smaller batch fits wherever a larger one did; relaxing will find the cheaper plan
+        elif larger:  # a smaller batch fits wherever a larger one did; relaxing will find the less degraded plan
             return self._buckets[min(larger)].plan
         else:
             return self.default
@@ -218,24 +218,22 @@ class Buckets:
             self.predictor.record_failure(plan, items, capacity, base, self.grad_bytes)
 
     # -- outcomes -------------------------------------------------------------------------------------
-    def succeeded(self, choice: Choice, plan: Plan) -> bool:
-        """A call finished on ``plan``; True if the bucket's plan changed (and was saved)."""
+    def succeeded(self, choice: Choice, plan: Plan) -> None:
+        """A call finished on ``plan``: the bucket's plan from now on (saved when it changed)."""
         state = self._buckets[choice.bucket]
         state.fitted = True
         if choice.trial:  # a step timed on another plan: the bucket's stays until tuning chooses
-            return False
-        if plan == state.plan:
-            if not choice.relaxing:  # a call whose try at a cheaper plan failed is not a clean step
+            return
+        changed = plan != state.plan
+        if not changed:
+            if not choice.relaxing:  # a call whose try at stepping back up failed is not a clean step
                 state.clean += 1
-            changed = False
         else:
             state.plan, state.clean = plan, 0
             if not choice.relaxing or plan != choice.plan:  # a fresh degradation: wait the base time again
                 state.wait = self._initial_wait()
-            changed = True
         if changed or not state.saved:  # a new bucket's first plan is worth remembering too
             self._save()
-        return changed
 
     def escalated(self, bucket: int, plan: Plan) -> None:
         """``plan`` replaces the bucket's plan outside a call (an OOM in an optimizer step someone else drives)."""
@@ -251,16 +249,16 @@ class Buckets:
             self._save()
 
     def relax_failed(self, choice: Choice) -> Plan:
-        """A try at a cheaper plan ran out of memory: back to the bucket's plan, and wait twice as long."""
+        """A try at stepping back up ran out of memory: back to the bucket's plan, and wait twice as long."""
         state = self._buckets[choice.bucket]
         state.clean = 0
         state.wait = max(1, 2 * state.wait)
         if choice.fallback is None:
-            raise ValueError("relax_failed() takes the choice of a try at a cheaper plan")
+            raise ValueError("relax_failed() takes the choice of a try at stepping back up")
         return choice.fallback
 
     def next_try_after(self, bucket: int) -> int:
-        """Clean steps the bucket still waits before trying a cheaper plan."""
+        """Clean steps the bucket still waits before trying to step back up."""
         state = self._buckets[bucket]
         return max(0, state.wait - state.clean)
 

@@ -26,7 +26,8 @@ from oomguard._backends.memory import MemoryBackend, MemorySnapshot
 from oomguard._effects.effects import Effects
 from oomguard._events import TunedEvent, logger
 from oomguard._guard.buckets import Buckets, Choice
-from oomguard._guard.recovery import Call, Failure
+from oomguard._guard.call import Call
+from oomguard._guard.recovery import Failure
 from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Plan
 from oomguard._options import GuardOptions
@@ -71,16 +72,28 @@ class Tuned:
             f"{plan.describe(size)}: {'out of memory' if median is None else f'{median:.3g} s'}"
             for plan, median in self.timings
         )
-        return TunedEvent(step, self.plan.to_dict(), memory, self.settled.to_dict(),
-                          tuple((plan.to_dict(), median) for plan, median in self.timings),
-                          f"{timings}; keeping {self.plan.describe(size)}")  # fmt: skip
+        return TunedEvent(
+            step,
+            self.plan.to_dict(),
+            memory,
+            self.settled.to_dict(),
+            tuple((plan.to_dict(), median) for plan, median in self.timings),
+            f"{timings}; keeping {self.plan.describe(size)}",
+        )
 
 
 class Foresight:
     """The guard's jump and tuning (see the module); it changes no plan itself, it tells the guard which."""
 
-    def __init__(self, step_fn: Callable[[Any], Any], options: GuardOptions, buckets: Buckets, effects: Effects,
-                 bf16: bool, device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        step_fn: Callable[[Any], Any],
+        options: GuardOptions,
+        buckets: Buckets,
+        effects: Effects,
+        bf16: bool,
+        device: torch.device,
+    ) -> None:
         self.step_fn, self.options, self.buckets, self.effects = step_fn, options, buckets, effects
         self.bf16, self.device = bf16, device
         self.ladder: Ladder = options.rungs
@@ -96,13 +109,19 @@ class Foresight:
     def jump(self, call: Call, failure: Failure, distributed: bool) -> tuple[tuple[str, ...], Plan] | None:
         """On the first OOM of a bucket that never fitted: the plan the dry-run planner predicts fits this batch,
         and the rungs it engages (None: walk the ladder, as after any other OOM, and where it cannot plan)."""
-        if not (self.options.predictive and len(call.tried) == 1 and call.batch is not None
-                and not distributed and call.choice.fallback is None
-                and not self.buckets.fitted(call.choice.bucket)
-                and memory_was_short(failure.summary.message, self.device)):  # fmt: skip
+        if not (
+            self.options.predictive
+            and len(call.tried) == 1
+            and call.batch is not None
+            and not distributed
+            and call.choice.fallback is None
+            and not self.buckets.fitted(call.choice.bucket)
+            and memory_was_short(failure.summary.message, self.device)
+        ):
             return None
-        report = preplan(self.step_fn, call.batch, self.options, call.backend, bf16=self.bf16, purpose="jump",
-                         effects=self.effects)  # fmt: skip
+        report = preplan(
+            self.step_fn, call.batch, self.options, call.backend, bf16=self.bf16, purpose="jump", effects=self.effects
+        )
         plan = None if report is None else report.recommended
         engaged = () if plan is None else self.ladder.changed(failure.plan, plan, call.size)
         return (engaged, plan) if plan is not None and engaged else None  # (none: it knows no better)
@@ -164,8 +183,17 @@ class Foresight:
         except Exception as error:  # (an OOM on a full CUDA device, say): the plan stays, untimed
             logger.warning("tuning: cannot measure this device's speed (%s: %s)", type(error).__name__, error)
             return []
-        report = preplan(self.step_fn, batch, self.options, backend, bf16=self.bf16, purpose="tuning",
-                         search_around=settled, speed=speed, effects=self.effects)  # fmt: skip
+        report = preplan(
+            self.step_fn,
+            batch,
+            self.options,
+            backend,
+            bf16=self.bf16,
+            purpose="tuning",
+            search_around=settled,
+            speed=speed,
+            effects=self.effects,
+        )
         if report is None:
             return []
         fitting = sorted((c for c in report.candidates if c.fits), key=lambda c: c.predicted_seconds)

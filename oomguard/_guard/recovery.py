@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -16,13 +16,12 @@ from oomguard._backends.telemetry import apply_expandable_segments
 from oomguard._backends.units import format_bytes
 from oomguard._detect import is_oom
 from oomguard._events import FailureSummary, RelaxEvent
-from oomguard._guard.buckets import Choice
+from oomguard._guard.call import Call
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._step.runner import StepRunner
 
 __all__ = [
     "Bounds",
-    "Call",
     "Failure",
     "GiveUp",
     "device_telemetry",
@@ -46,6 +45,7 @@ class Failure:
     base: int | None  # allocated when the attempt began, after its plan was applied (None: unknown)
     #: The error, released from its frames (see :func:`released`): the cause of an error that gives up.
     error: BaseException
+    agreed_phase: Phase | None = None  # under distributed training: the deepest phase any rank failed in
 
 
 def released(exc: BaseException) -> BaseException:
@@ -65,27 +65,6 @@ def released(exc: BaseException) -> BaseException:
     if add_note is not None:
         add_note(f"(the traceback of that attempt; its frames were released to free its memory)\n{text}")
     return exc
-
-
-@dataclass(eq=False)
-class Call:
-    """The state of one guarded call across its attempts."""
-
-    batch: Any
-    size: int
-    backend: MemoryBackend
-    choice: Choice
-    plan: Plan
-    items_per_sample: float
-    step: int  # the step the call counts as (a replay of a step keeps that step's number)
-    tried: list[tuple[Plan, FailureSummary]] = field(default_factory=list)
-    seconds_lost: float = 0.0
-    started: float = field(default_factory=time.monotonic)  # when the call began (the time bound counts from it)
-    #: The backend's host<->device byte count when the call began (what the call copied is the difference).
-    transferred: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.transferred = self.backend.transferred_bytes
 
 
 class Bounds:
@@ -210,10 +189,11 @@ def give_up_message(
 
 
 def relax_event(call: Call, outcome: str, next_try_after: int) -> RelaxEvent:
-    """The event of a try at a cheaper plan that ``outcome`` ("held" or "failed")."""
+    """The event of a try at stepping back up (a plan one rung less degraded) that ``outcome`` ("held" or
+    "failed")."""
     choice = call.choice
     if choice.fallback is None or choice.given_back is None:
-        raise ValueError("a relax event needs the choice of a try at a cheaper plan")
+        raise ValueError("a relax event needs the choice of a try at stepping back up")
     return RelaxEvent(
         step=call.step,
         plan=choice.plan.to_dict(),

@@ -43,7 +43,7 @@ class GuardSummary:
     exhausted: int
     seconds_lost: float
     plan: Plan
-    #: Tries at a cheaper plan after clean steps: how many held and how many ran out of memory.
+    #: Tries at stepping back up (a less degraded plan) after clean steps: how many held and how many ran out of memory.
     relaxations: tuple[int, int] = (0, 0)
     #: Steps run with each rung in effect.
     steps_by_rung: dict[str, int] | None = None
@@ -60,5 +60,5 @@ class GuardSummary:
         ]
         held, failed = self.relaxations
         if held or failed:
-            lines.append(f"Stepped back up {held} time(s); {failed} try(s) at a cheaper plan ran out of memory.")
+            lines.append(f"Stepped back up {held} time(s); {failed} try(s) at a less degraded plan ran out of memory.")
         return "\n".join(lines)

@@ -3,7 +3,7 @@
 A guard feeds its tally every event it emits and every step it completes; the report feeds a tally the events of
 a log (JSON lines), where a step number going backwards means a restarted job appending to the same log. The
 time an out-of-memory error cost is counted against what it led to: the rung that engaged next, a try at a
-cheaper plan that backed off (``"(stepping back up)"``), or giving up on the batch (``"(gave up)"``).
+less degraded plan that backed off (``"(stepping back up)"``), or giving up on the batch (``"(gave up)"``).
 
 A log can be damaged (a crash mid-line, a hand edit, another program writing to it): :func:`event_problem` says
 which events a tally cannot count, so a reader can skip them and say so, while the guard's own events go

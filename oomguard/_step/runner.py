@@ -1,7 +1,10 @@
 """Running one batch on one plan: forward and backward per micro-batch, then clip, step and schedule.
 
-This is the only place that runs the user's step function and touches gradients. It records which phase it is
-in, so that the guard can say where an out-of-memory error struck after the exception itself is gone.
+This is the only place that runs the user's step function and touches gradients. An attempt comes back as a
+value: :class:`~oomguard._step.outcome.AttemptOutput` when it worked, :class:`~oomguard._step.outcome.AttemptFailure`
+(the error, and the phase, micro-batch and plan it failed on) when it did not, with what it held already dropped.
+Its two halves are separate calls (:meth:`StepRunner.gradients`, :meth:`StepRunner.commit`), so that the guard can
+hold shutdown signals from the optimizer step until the step is counted (``oomguard._guard.loop``).
 """
 
 from __future__ import annotations
@@ -9,23 +12,24 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import is_fake
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._detect import is_oom
-from oomguard._distributed.agreement import Agreement, Verdict, quiet_ddp
+from oomguard._distributed.agreement import Agreement, quiet_ddp
 from oomguard._distributed.peers import Outcome, peer_failure
 from oomguard._effects.effects import Effects
 from oomguard._effects.transaction import OptimizerTransaction, Scheduler
 from oomguard._errors import LossError, NonFiniteLoss, OOMGuardError
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._step.batch import count_items, split_batch
+from oomguard._step.loss import loss_of, loss_value, non_finite, value_of
+from oomguard._step.outcome import AttemptFailure, AttemptOutput, Progress
 from oomguard._step.outside import OutsideLeaves, Saved
 
 logger = logging.getLogger("oomguard")
@@ -33,58 +37,9 @@ logger = logging.getLogger("oomguard")
 #: every module on every split step).
 _CHECKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
-__all__ = ["AttemptOutput", "StepRunner", "loss_of"]
+__all__ = ["AttemptFailure", "AttemptOutput", "Gradients", "StepRunner", "loss_of"]
 
 Reduction = Literal["mean", "sum"]
-
-
-def loss_of(output: Any) -> torch.Tensor:
-    """The scalar loss in a step function's return value: a tensor, ``{"loss": ...}`` or an object with ``.loss``.
-
-    Raises :class:`~oomguard.LossError` with the fix when there is none, when it is not a single number, or
-    when it does not require grad (nothing to train).
-    """
-    if isinstance(output, torch.Tensor):
-        loss = output
-    elif isinstance(output, Mapping) and "loss" in output:
-        loss = output["loss"]
-    elif hasattr(output, "loss"):
-        loss = output.loss
-    else:
-        raise LossError(
-            f"the step function returned a {type(output).__name__} with no loss; return the loss tensor, a "
-            f"mapping with a 'loss' key, or an object with a .loss attribute (a transformers ModelOutput)"
-        )
-    if loss is None:
-        raise LossError(
-            "the step function returned no loss (loss is None); a transformers model computes one only when "
-            "the batch has 'labels'"
-        )
-    if not isinstance(loss, torch.Tensor):
-        raise LossError(f"the loss must be a torch.Tensor, got {type(loss).__name__}: {loss!r}")
-    if loss.numel() != 1:
-        raise LossError(
-            f"the loss must be a single number, got a tensor of shape {tuple(loss.shape)}; reduce it first, "
-            f"for example with .mean()"
-        )
-    if not loss.requires_grad:
-        raise LossError(
-            "the loss does not require grad, so there is nothing to train: is the forward running under "
-            "torch.no_grad() or torch.inference_mode(), or are all parameters frozen?"
-        )
-    return loss
-
-
-@dataclass(frozen=True)
-class AttemptOutput:
-    """What a successful attempt produced."""
-
-    loss: float
-    grad_norm: float | None
-    micro_batches: int
-    micro_batch_size: int
-    base: int  # device memory allocated when the attempt began, after its plan was applied
-    peak: int  # the attempt's peak device memory
 
 
 @dataclass(frozen=True)
@@ -100,8 +55,18 @@ class _Job:
     commits: bool  # the attempt ends with the optimizer step (not left to the caller)
 
 
+@dataclass(frozen=True)
+class Gradients:
+    """An attempt's gradients, accumulated over its micro-batches: what :meth:`StepRunner.commit` steps with."""
+
+    job: _Job
+    micro_batches: int
+    loss: float
+
+
 class StepRunner:
-    """Runs one training step for a batch on a plan. ``phase`` and ``micro_batch`` say where it is."""
+    """Runs one training step for a batch on a plan. ``progress`` says where the attempt in flight is (for what
+    accounts memory during it: the planner's probe); a failed attempt's record carries it."""
 
     def __init__(
         self,
@@ -131,15 +96,12 @@ class StepRunner:
         self.agreement = agreement
         self.ddp = ddp
         self.accelerator = accelerator  # Hugging Face Accelerate: its backward (loss scaling) and clipping
-        self.verdict: Verdict | None = None  # what the ranks agreed after this attempt's backward
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self._outside = OutsideLeaves(self._params)
         self._outside_grads: Saved = []  # the gradients of leaves outside the optimizer before this attempt
         #: Bytes of the gradients of every trainable parameter: the part of a step's peak that micro-batching keeps.
         self.grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        self.phase = Phase.FORWARD
-        self.micro_batch = 0
-        self.base = 0
+        self.progress = Progress()  # (a fresh one per attempt)
 
     def zero_grad(self) -> None:
         """Drop every gradient (set to None, so their memory is freed)."""
@@ -171,50 +133,95 @@ class StepRunner:
         step: bool = True,
         reduction: Reduction | None = None,
     ) -> AttemptOutput:
-        """Forward/backward each micro-batch, then clip, step and schedule: exactly one optimizer step.
+        """:meth:`gradients` then :meth:`commit`, raising the error of a failed attempt (the dry-run planner's
+        way to run a step: nothing holds signals around a step of fake tensors)."""
+        gradients = self.gradients(batch, size, plan, backend, step=step, reduction=reduction)
+        outcome = gradients if isinstance(gradients, AttemptFailure) else self.commit(gradients)
+        if isinstance(outcome, AttemptFailure):
+            raise outcome.error
+        return outcome
 
-        ``step=False`` stops after backward and leaves the gradients to the caller (the Trainer steps itself).
-        ``reduction`` overrides the runner's for this batch. On any exception the gradients are dropped and the
-        optimizer step (if reached) is undone. Under distributed training every rank reaches the same agreements
-        whatever failed where (see :mod:`oomguard._distributed.agreement`): a rank whose peer failed raises too.
+    def gradients(
+        self,
+        batch: Any,
+        size: int,
+        plan: Plan,
+        backend: MemoryBackend,
+        *,
+        step: bool = True,
+        reduction: Reduction | None = None,
+    ) -> Gradients | AttemptFailure:
+        """Apply the plan, then forward and backward every micro-batch: the batch's gradients, or the record of
+        the failure (its gradients dropped, the plan's per-attempt state reset).
+
+        ``step=False``: the caller steps with the gradients itself (the Trainer), :meth:`commit` only reports
+        them. ``reduction`` overrides the runner's for this batch. Under distributed training every rank reaches
+        the same agreements whatever failed where (see :mod:`oomguard._distributed.agreement`): a rank whose peer
+        failed fails too.
         """
-        self.phase, self.micro_batch = Phase.APPLY, 0
-        self.verdict = None
+        self.progress = Progress()
         self._outside_grads = []
         self.zero_grad()
         backend.reset_peak_memory_stats()  # so the peak read at the end is this attempt's
-        self.base = backend.memory_allocated()
+        self.progress.base = backend.memory_allocated()
         scaler = self.effects.scaler(plan)  # fp16 only; a fresh one per attempt, from the last committed state
-        done = False
+        job = _Job(batch, size, plan, backend, scaler, reduction or self.reduction, commits=step)
         try:
-            micro_batches, loss = self._accumulate(
-                _Job(batch, size, plan, backend, scaler, reduction or self.reduction, commits=step)
-            )
-            grad_norm = self._clip_and_step(plan, backend, scaler) if step else None
-            done = True
-            micro = plan.effective_micro_batch_size(size)
-            return AttemptOutput(loss, grad_norm, micro_batches, micro, self.base, backend.max_memory_allocated())
-        finally:
-            if not done:
-                self.effects.reset()
-                self.zero_grad()
-                OutsideLeaves.put_back(self._outside_grads)
-            self._outside_grads = []  # (what they held is the attempt's: not kept past it)
+            micro_batches, loss = self._accumulate(job)
+            return Gradients(job, micro_batches, loss)
+        except Exception as exc:
+            return self._failed(exc, plan)
+        except BaseException:  # an interrupt: what the attempt made is dropped all the same, and it goes on up
+            self._drop()
+            raise
+
+    def commit(self, gradients: Gradients) -> AttemptOutput | AttemptFailure:
+        """Clip, then exactly one optimizer and scheduler step (where the attempt commits): what the attempt
+        produced, or the record of its failure (the step undone, the gradients dropped)."""
+        job = gradients.job
+        try:
+            grad_norm = self._clip_and_step(job.plan, job.backend, job.scaler) if job.commits else None
+        except Exception as exc:
+            return self._failed(exc, job.plan)
+        except BaseException:
+            self._drop()
+            raise
+        self._outside_grads = []  # (what they held is the attempt's: not kept past it)
+        micro, base = job.plan.effective_micro_batch_size(job.size), self.progress.base
+        peak = job.backend.max_memory_allocated()
+        return AttemptOutput(gradients.loss, grad_norm, gradients.micro_batches, micro, base, peak)
+
+    def _drop(self) -> None:
+        """What a failed attempt made goes: the plan's per-attempt state, the gradients (those of leaves outside
+        the optimizer back as they were)."""
+        self.effects.reset()
+        self.zero_grad()
+        OutsideLeaves.put_back(self._outside_grads)
+        self._outside_grads = []
+
+    def _failed(self, error: Exception, plan: Plan) -> AttemptFailure:
+        """Drop what the failed attempt made, and say where it failed. (The caller's frame, in the error's
+        traceback, must not keep the record: that would be a cycle holding the attempt's tensors.)"""
+        self._drop()
+        where = self.progress
+        verdict = where.verdict
+        agreed = verdict.phase if verdict is not None and verdict.outcome != "ok" else None
+        return AttemptFailure(error, plan, where.phase, where.micro_batch, where.base, agreed)
 
     def _clip_and_step(self, plan: Plan, backend: MemoryBackend, scaler: torch.amp.GradScaler | None) -> float | None:
         """Clip, then the optimizer and scheduler steps as one transaction; the gradients are dropped after."""
         grad_norm = self._clip(scaler)
-        self.phase = Phase.OPTIMIZER
+        self.progress.phase = Phase.OPTIMIZER
         agree = self.agreement.after_step if self.agreement is not None else None
-        allow_fast = self.verdict is None or not self.verdict.journal
-        # Shutdown signals are held until the step, its loss scale and the buffers are all committed (the guard
-        # holds them on while it counts the step): an interrupt never lands between the step and its bookkeeping.
-        with self.transaction.interrupts.held(), self.effects.optimizer_step(plan, backend):
+        verdict = self.progress.verdict
+        allow_fast = verdict is None or not verdict.journal
+        # (The guard holds shutdown signals from here until it has counted the step: oomguard._guard.loop.)
+        with self.effects.optimizer_step(plan, backend):
             self.transaction.step(backend, self.scheduler, scaler, agree=agree, allow_fast=allow_fast)
             self.effects.commit_scaler(scaler)
             if self.agreement is not None and self.ddp is not None:
                 self.agreement.broadcast_buffers(self.ddp)
-        self.phase = Phase.DONE
+        self.progress.phase = Phase.DONE
         self.zero_grad()
         return grad_norm
 
@@ -234,9 +241,9 @@ class StepRunner:
         if self.agreement is not None:
             outcome: Outcome = "ok" if failure is None else ("oom" if _is_retryable(failure) else "fatal")
             journal = failure is not None or not self.transaction.can_skip_journal(job.backend)
-            self.verdict = self.agreement.after_backward(outcome, self.phase, journal)
-            if self.verdict.outcome != "ok":
-                error = failure if failure is not None else peer_failure(self.verdict.outcome, self.verdict.phase)
+            verdict = self.progress.verdict = self.agreement.after_backward(outcome, self.progress.phase, journal)
+            if verdict.outcome != "ok":
+                error = failure if failure is not None else peer_failure(verdict.outcome, verdict.phase)
                 # This frame is in the error's traceback: holding the error here too would make a reference
                 # cycle that keeps the failed forward's tensors alive until the garbage collector runs.
                 failure = None
@@ -255,27 +262,27 @@ class StepRunner:
             # Offload moved memory to the host (or restoring brought it back): the attempt's base and peak are
             # measured from here, so the peak model learns what the plan costs, not what applying it freed.
             backend.reset_peak_memory_stats()
-            self.base = backend.memory_allocated()
-        self.phase = Phase.SPLIT
+            self.progress.base = backend.memory_allocated()
+        self.progress.phase = Phase.SPLIT
         parts, weights = self._parts(job)
         total: torch.Tensor | None = None
         for index, (part, weight) in enumerate(zip(parts, weights, strict=True)):
             if weight == 0.0:  # no counted item: it contributes exactly nothing (and its mean is NaN)
                 continue
-            self.phase, self.micro_batch = Phase.FORWARD, index
+            self.progress.phase, self.progress.micro_batch = Phase.FORWARD, index
             with self.effects.forward(plan, backend):
                 loss = loss_of(self.step_fn(part))
             if total is None:  # the attempt's first backward is next
                 self._refuse_a_backward_of_its_own()
                 self._outside_grads = self._outside.keep(loss, job.batch)
-            self.phase = Phase.BACKWARD
+            self.progress.phase = Phase.BACKWARD
             weighted = loss if weight == 1.0 else loss * weight
             self._backward(scaler.scale(weighted) if scaler is not None else weighted)
             self.effects.after_micro_batch()  # (still the backward phase: what it moves is per micro-batch)
             contribution = loss.detach().float() * weight
             total = contribution if total is None else total + contribution
             del loss, weighted  # drop the graph's last references before the next micro-batch's forward
-        return len(parts), _loss_value(total, refuse_non_finite=job.commits and scaler is None)
+        return len(parts), loss_value(total, refuse_non_finite=job.commits and scaler is None)
 
     def _refuse_a_backward_of_its_own(self) -> None:
         """The gradients were dropped when the attempt began: any there now, the step function made itself."""
@@ -297,60 +304,21 @@ class StepRunner:
         """Clip the whole batch's gradient norm; a failure here is agreed like a failed optimizer step."""
         if self.max_grad_norm is None:
             return None
-        self.phase = Phase.CLIP
+        self.progress.phase = Phase.CLIP
         try:
             if scaler is not None:
                 scaler.unscale_(self.optimizer)
             if self.accelerator is not None:  # unscales first where Accelerate scales the loss
-                norm = _value(self.accelerator.clip_grad_norm_(self._params, self.max_grad_norm))
+                norm = value_of(self.accelerator.clip_grad_norm_(self._params, self.max_grad_norm))
             else:
-                norm = _value(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
+                norm = value_of(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
             if scaler is None and not math.isfinite(norm) and detect_fake_mode() is None:
-                raise NonFiniteLoss(_non_finite("gradient norm", norm))  # (clipping scaled every gradient by it)
+                raise NonFiniteLoss(non_finite("gradient norm", norm))  # (clipping scaled every gradient by it)
             return norm
         except Exception as exc:
             if self.agreement is not None:  # the other ranks are about to agree after their step
                 self.agreement.after_step("oom" if _is_retryable(exc) else "fatal")
             raise
-
-
-def _loss_value(total: torch.Tensor | None, *, refuse_non_finite: bool) -> float:
-    """The batch's loss as a number (NaN where no micro-batch counted an item), or the error of a step that must
-    not commit: a loss that is a fake tensor outside the dry run (a tensor the planner made, kept by the step or
-    the model), or, where ``refuse_non_finite``, a NaN or infinite loss (one read of the device: the step waits
-    for the backward to finish, which it would before returning anyway)."""
-    if total is None:
-        return math.nan
-    if is_fake(total):
-        if detect_fake_mode() is not None:  # the dry run itself: fake tensors hold no values
-            return math.nan
-        raise LossError(
-            "the step's loss is a FakeTensor, which holds no values: a tensor the dry-run planner made (the jump "
-            "after an OOM, preplan=True, or tuning run the step on fake tensors) was kept somewhere the step or "
-            "the model reads it again (a warning said where, after that dry run). Nothing was stepped. Keep such "
-            "state in module attributes or buffers, in the step's closure or in the globals it names (the planner "
-            "puts those back), or turn the dry runs off: predictive=False, tune_after=None, preplan=False"
-        )
-    value = float(total)
-    if refuse_non_finite and not math.isfinite(value):
-        raise NonFiniteLoss(_non_finite("loss", value))
-    return value
-
-
-def _non_finite(what: str, value: float) -> str:
-    return (
-        f"the batch's {what} is {value}: nothing was stepped (the model, the optimizer and the scheduler are as "
-        f"they were before this call), since an optimizer step on it would write NaN into the weights it "
-        f"touches. Skip the batch (catch oomguard.NonFiniteLoss), lower the learning rate, or look for the "
-        f"diverging layer (torch.autograd.set_detect_anomaly)"
-    )
-
-
-def _value(tensor: torch.Tensor | None) -> float:
-    """A scalar's value; NaN for none, and for the fake tensors of a dry run (see oomguard.plan), which have none."""
-    if tensor is None or is_fake(tensor):
-        return float("nan")
-    return float(tensor)
 
 
 def _is_retryable(exc: BaseException) -> bool:
@@ -371,8 +339,11 @@ def _warn_if_batch_statistics(model: torch.nn.Module, micro: int) -> None:
     if model in _CHECKED:
         return
     _CHECKED.add(model)
-    norms = [name for name, module in model.named_modules()
-             if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training]  # fmt: skip
+    norms = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training
+    ]
     if not norms:
         return
     shown = ", ".join(norms[:3]) + (f" and {len(norms) - 3} more" if len(norms) > 3 else "")

@@ -21,10 +21,15 @@ Weighting = Literal["sum", "tokens", "samples"]
 
 #: GRPO's loss types by how a loss over part of a batch relates to the whole batch's.
 GRPO_LOSSES: dict[str, Weighting] = {
-    "dapo": "sum", "cispo": "sum", "vespo": "sum",  # normalised by a token count over the whole batch
+    "dapo": "sum",
+    "cispo": "sum",
+    "vespo": "sum",  # normalised by a token count over the whole batch
     "bnpo": "tokens",  # a mean over the micro-batch's completion tokens
-    "grpo": "samples", "sapo": "samples", "dr_grpo": "samples", "luspo": "samples",  # a mean over its sequences
-}  # fmt: skip
+    "grpo": "samples",
+    "sapo": "samples",
+    "dr_grpo": "samples",
+    "luspo": "samples",  # a mean over its sequences
+}
 
 
 def weighting(trainer: Any) -> Weighting | None:

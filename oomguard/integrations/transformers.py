@@ -5,7 +5,7 @@ forward and backward (the Trainer's ``compute_loss``, through the guard, split i
 when memory requires it), the loss checks, the clipping and the optimizer step. An OOM anywhere in it is recovered
 inside the same call, on the same batch, one rung down: the training loop is not restarted, and ``global_step``,
 the optimizer and the scheduler see exactly one step. An OOM in the clipping or the optimizer step (undone first)
-recomputes the batch's gradients on the cheaper plan and runs that part again.
+recomputes the batch's gradients on a plan that needs less memory and runs that part again.
 
 Any Trainer subclass composes, with ``OOMGuardTrainer`` first: ``class MyTrainer(OOMGuardTrainer, SFTTrainer)``.
 The subclass's own ``training_step`` and ``compute_loss`` still run (TRL's activation-offloading context included);
@@ -49,7 +49,6 @@ except ImportError as error:  # say which extra installs it
 
 from oomguard._backends.memory import current_backend
 from oomguard._errors import GuardConfigError
-from oomguard._events import Event
 from oomguard._guard.guard import OOMGuard
 from oomguard._ladder.plan import Phase
 from oomguard._step.batch import batch_leaves, batch_size
@@ -70,8 +69,7 @@ R = TypeVar("R")
 
 @dataclass
 class _StepInProgress:
-    """The training step in progress, for a replay: its model, batch and item count, and what an OOM now puts
-    back (the trainer's records before the attempt)."""
+    """The training step in progress, for a replay: its model, batch and item count."""
 
     model: Any = None
     inputs: Any = None
@@ -80,7 +78,6 @@ class _StepInProgress:
     size: int = 0  # samples in the batch the guard is given
     warned: bool = False  # that micro-batches change this trainer's loss (here: a rollback leaves it alone)
     replaying: bool = False
-    rollback: PlainState | None = None
 
 
 class OOMGuardTrainer(Trainer):  # type: ignore[misc]
@@ -151,7 +148,6 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
 
         inner: Any = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside Accelerate's
         options = dict(self._oomguard_options)
-        options["sinks"] = [*options.get("sinks", ()), self._take_back]
         if self._oomguard_weighting == "tokens" and options.get("count_items") is None:
             options["count_items"] = completion_tokens
         guard = OOMGuard(forward, model=model, optimizer=inner, accelerator=self.accelerator, **options)
@@ -187,15 +183,12 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
             self._guard = self._build_guard(model)
         self._keep_loss_on_host()
         self._oomguard_step.model = model
-        outermost = not self._oomguard_step.replaying
         self.compute_loss = self._guarded_loss  # (the instance attribute shadows every class's compute_loss)
         try:
             loss: torch.Tensor = super().training_step(model, inputs, num_items_in_batch)
             return loss
         finally:
             del self.compute_loss
-            if outermost:
-                self._oomguard_step.rollback = None
 
     def _guarded_loss(
         self, model: torch.nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
@@ -209,14 +202,15 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
                 "compute_loss itself"
             )
         self._oomguard_step.inputs, self._oomguard_step.items = inputs, num_items_in_batch
-        if not self._oomguard_step.replaying:  # (after _prepare_inputs: what it recorded, GRPO's rewards, stays)
-            self._oomguard_step.rollback = PlainState(self)
+        # What a failed attempt added to the trainer's records is put back before the batch is tried again (taken
+        # after _prepare_inputs: what it recorded, GRPO's rewards, stays). A replay puts back its own.
+        rewind = None if self._oomguard_step.replaying else PlainState(self).restore
         scaled_by_model = bool(self.model_accepts_loss_kwargs and num_items_in_batch is not None)
         summed = scaled_by_model or self.compute_loss_func or self._oomguard_weighting == "sum"
         reduction: Reduction = "sum" if summed else "mean"
         batch, self._oomguard_step.paired = pair_major(inputs) if self.oomguard_pairs else (inputs, frozenset())
         self._oomguard_step.size = batch_size(batch)
-        result = self.oomguard.accumulate(batch, reduction)
+        result = self.oomguard.accumulate(batch, reduction, rewind=rewind)
         return self._stand_in(result.loss)
 
     def _warn_coupled(self, part: Any) -> None:
@@ -277,7 +271,7 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
         optimizer step is what is run again). What the replay adds to the trainer's records is taken back: the
         step's own attempt already counted this batch. The inputs are the step's prepared ones: preparing them again
         could change them (GRPO's ``_prepare_inputs`` generates new completions)."""
-        self._oomguard_step.rollback = before = PlainState(self)
+        before = PlainState(self)
         self._oomguard_step.replaying = True
         self._prepare_inputs = lambda prepared: prepared  # (shadows the class's, for this replay)
         try:
@@ -286,11 +280,5 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
                 self._clip_grad_norm(self._oomguard_step.model)
         finally:
             del self._prepare_inputs
-            self._oomguard_step.replaying, self._oomguard_step.rollback = False, None
+            self._oomguard_step.replaying = False
             before.restore()
-
-    def _take_back(self, event: Event) -> None:
-        """An event sink: an OOM puts the trainer's records back as they were before the failed attempt, and so
-        does the fallback after it (the dry-run planner may have run compute_loss on fake tensors in between)."""
-        if event.kind in ("oom", "fallback") and self._oomguard_step.rollback is not None:
-            self._oomguard_step.rollback.restore()

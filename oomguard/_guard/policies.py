@@ -1,0 +1,117 @@
+"""Which plan a call tries after an out-of-memory error: an ordered list of small policies, the first that
+answers wins.
+
+1. :class:`FailedTrial`: a plan timed while tuning does not fit: back to the settled plan (it is dropped).
+2. :class:`FailedStepUp`: a try at stepping back up (a plan one rung less degraded) failed: back to the bucket's
+   plan, and wait twice as long before the next try.
+3. :class:`Jump`: the first OOM of a batch that never fitted: the plan the dry-run planner predicts fits, several
+   rungs at once.
+4. :class:`Walk`: one rung down the ladder, the rung that relieves the phase that failed.
+
+None answering means the ladder has nothing left. Bounds on attempts and time are the loop's business: a policy
+is told whether one was reached (then the jump does not plan, since its answer would not be tried).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from oomguard._backends.memory import MemoryBackend
+from oomguard._events import Event
+from oomguard._guard.buckets import Buckets
+from oomguard._guard.call import Call
+from oomguard._guard.foresight import Foresight
+from oomguard._guard.recovery import Failure, relax_event
+from oomguard._ladder.ladder import Ladder
+from oomguard._ladder.plan import Plan
+from oomguard._ladder.rungs import RungContext
+
+__all__ = ["Escalation", "FailedStepUp", "FailedTrial", "Jump", "Move", "Policy", "Walk"]
+
+
+@dataclass(frozen=True)
+class Move:
+    """The plan to try next, and how it was come to."""
+
+    plan: Plan
+    rung: str | None = None  # the rung it engages, named in a fallback event (None: a plan the bucket had)
+    engaged: tuple[str, ...] = ()  # every rung a jump engaged
+    how: str = ""  # said after the change in the fallback event
+
+
+class Policy(Protocol):
+    def __call__(self, call: Call, failure: Failure, distributed: bool, bounded: bool) -> Move | None:
+        """The next plan for ``call`` after ``failure``, or None where this policy has nothing to say.
+        ``distributed``: the attempt's ranks agreed on it; ``bounded``: a bound on attempts or time is reached."""
+        ...
+
+
+@dataclass(frozen=True)
+class FailedTrial:
+    foresight: Foresight
+
+    def __call__(self, call: Call, failure: Failure, distributed: bool, bounded: bool) -> Move | None:
+        if not (call.choice.trial and failure.plan == call.choice.plan):
+            return None
+        return Move(self.foresight.trial_failed(call.choice))
+
+
+@dataclass(frozen=True)
+class FailedStepUp:
+    buckets: Buckets
+    emit: Callable[[Event], None]
+
+    def __call__(self, call: Call, failure: Failure, distributed: bool, bounded: bool) -> Move | None:
+        choice = call.choice
+        if not (choice.relaxing and failure.plan == choice.plan):
+            return None
+        plan = self.buckets.relax_failed(choice)
+        self.emit(relax_event(call, "failed", self.buckets.next_try_after(choice.bucket)))
+        return Move(plan)
+
+
+@dataclass(frozen=True)
+class Jump:
+    foresight: Foresight
+
+    def __call__(self, call: Call, failure: Failure, distributed: bool, bounded: bool) -> Move | None:
+        jump = None if bounded else self.foresight.jump(call, failure, distributed)
+        if jump is None:
+            return None
+        engaged, plan = jump
+        return Move(plan, engaged[-1], engaged, " (the dry-run planner's prediction)")
+
+
+@dataclass(frozen=True)
+class Escalation:
+    """What the rungs may assume: the model's context (``model``), and the figures of a batch or a failure."""
+
+    buckets: Buckets
+    model: RungContext
+
+    def context(self, backend: MemoryBackend, size: int, distributed: bool, **figures: Any) -> RungContext:
+        """What the rungs may assume on a batch of ``size`` on ``backend``: the model's context, and ``figures``."""
+        return dataclasses.replace(
+            self.model, batch_size=size, can_offload=backend.offloads, distributed=distributed, **figures
+        )
+
+    def __call__(self, call: Call, failure: Failure, distributed: bool) -> RungContext:
+        """What the rungs may assume when ``call`` escalates from ``failure``. Under distributed training every rank
+        escalates from the same agreed figures, so all reach the same plan: the deepest phase any rank failed in,
+        and no per-rank prediction."""
+        predicted = None if distributed else self.buckets.predict(failure.plan, call.backend, call.items_per_sample)
+        phase = failure.agreed_phase or failure.summary.phase
+        return self.context(call.backend, call.size, distributed, phase=phase, max_micro_batch=predicted)
+
+
+@dataclass(frozen=True)
+class Walk:
+    ladder: Ladder
+    escalation: Escalation
+
+    def __call__(self, call: Call, failure: Failure, distributed: bool, bounded: bool) -> Move | None:
+        chosen = self.ladder.next(failure.plan, self.escalation(call, failure, distributed))
+        return None if chosen is None else Move(chosen[1], chosen[0].name)
