@@ -2,8 +2,8 @@
 
 Each event is a frozen dataclass with ``to_dict()``; sinks are plain callables that take an event. The guard
 writes every event as one JSON line to ``log_file`` (if given), calls the user's sinks, and logs one readable
-line on the ``oomguard`` logger. On the happy path only a ``progress`` event every ``log_every`` steps is written
-(logged at DEBUG).
+line on the ``oomguard`` logger. On the happy path only ``progress`` events are written (each of the first
+``log_every`` steps, then every ``log_every``-th; logged at DEBUG).
 
 The log file is strict JSON (what ``jq`` and log shippers accept): a NaN or infinite number, a diverged loss say,
 is written as ``null`` and named, by its dotted path, in the event's ``"non_finite"`` object.

@@ -57,8 +57,9 @@ def plan(
         batch_size, seq_len: the batch, in sequences of ``seq_len`` tokens.
         optimizer: ``"adamw"`` or ``"sgd"`` (with momentum), as ``torch.optim`` runs them on CUDA (foreach).
         ladder: the guard's ladder (rung names or objects); the default ladder if None.
-        target: ``"cuda"`` adds :func:`oomguard._planner.engine.device_overhead` to every peak; ``"simulated"`` plans
-            for a :class:`~oomguard.testing.SimulatedGPU` of that capacity (no overhead).
+        target: ``"cuda"`` adds what a CUDA device holds beyond the tensors (its context and the allocator's
+            rounding: the report's ``device_overhead_bytes``) to every peak; ``"simulated"`` plans for a
+            :class:`~oomguard.testing.SimulatedGPU` of that capacity (no overhead).
         bf16: whether the device runs bf16 (Ampere and newer); else mixed precision is fp16.
         max_grad_norm: plan with gradient clipping, as the guard's option of that name.
         speed: the device model that predicts each plan's step time (the recommendation is the fastest fitting
