@@ -1,9 +1,10 @@
-"""Sphinx roles in docstrings, written for the API page: mkdocstrings renders Markdown, where ``:class:`X```
-would show its role as text.
+"""The package's docstrings, written for Sphinx, made Markdown for the API page (mkdocstrings renders Markdown).
 
-A role naming a public name (``:class:`~oomguard.StepResult```, ``:func:`oomguard.oom_guard```) becomes a
-cross-reference, which ``mkdocs build --strict`` checks, so a docstring naming a renamed public name fails the build;
-any other role (a private helper, a method) becomes inline code.
+- A role naming a public name (``:class:`~oomguard.StepResult```, ``:func:`oomguard.oom_guard```) becomes a
+  cross-reference, which ``mkdocs build --strict`` checks, so a docstring naming a renamed public name fails the
+  build; any other role (a private helper, a method) becomes inline code. Left alone, ``:class:`` shows as text.
+- A doctest (``>>>`` lines and the output after them) becomes a fenced ``pycon`` block: left alone, its output
+  (``[([0, 1], ...)]``) reads as Markdown reference links that resolve nowhere.
 """
 
 from __future__ import annotations
@@ -41,9 +42,19 @@ def _markdown(match: re.Match[str]) -> str:
     return f"[`{shown}`][{target}]" if target in PUBLIC else f"`{shown}`"
 
 
+#: A doctest: its ``>>>`` and ``...`` lines and the output after them, up to a blank line (at any indentation).
+DOCTEST = re.compile(r"^([ \t]*)>>> .*\n(?:\1\S.*(?:\n|$))*", re.MULTILINE)
+
+
+def _fenced(match: re.Match[str]) -> str:
+    """A doctest as a fenced block at its own indentation."""
+    indent, body = match.group(1), match.group(0).rstrip("\n")
+    return f"{indent}```pycon\n{body}\n{indent}```\n"
+
+
 class SphinxRoles(griffe.Extension):
-    """Rewrites every docstring's roles before mkdocstrings parses it."""
+    """Rewrites every docstring's roles and doctests before mkdocstrings parses it."""
 
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is not None:
-            obj.docstring.value = ROLE.sub(_markdown, obj.docstring.value)
+            obj.docstring.value = DOCTEST.sub(_fenced, ROLE.sub(_markdown, obj.docstring.value))
