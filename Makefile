@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.oomguard-installed
 
-.PHONY: demo test lint pytest bench clean
+.PHONY: demo test lint docs pytest bench clean
 
 $(STAMP): setup.cfg pyproject.toml scripts/bootstrap.sh
 	PYTHON=$(PYTHON) sh scripts/bootstrap.sh $(VENV)
@@ -13,12 +13,16 @@ $(STAMP): setup.cfg pyproject.toml scripts/bootstrap.sh
 demo: $(STAMP)
 	$(BIN)/python -m oomguard demo
 
-test: lint pytest
+test: lint docs pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# The reference in docs/, strict: a broken link or anchor, a page out of the nav or a renamed public name fails.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # Two workers: the suite is single-threaded Python most of the time (the simulator, fake tensors, subprocesses).
 pytest: $(STAMP)
@@ -28,4 +32,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache oomguard.egg-info
+	rm -rf $(VENV) site .mypy_cache .ruff_cache .pytest_cache oomguard.egg-info
