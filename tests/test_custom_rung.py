@@ -9,6 +9,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -387,3 +388,50 @@ def test_a_new_built_in_rung_is_one_module_and_one_registration_line(
     assert pinned_hook.PinnedHook().escalate(Plan(), RungContext(batch_size=8)) is None, "precondition unmet"
     planned = [plan for _, plan in configurations(Plan(), resolve_ladder(None), context)]
     assert Plan().with_level("pinned_hook", 1) in planned, "tuning's search trades it"
+
+
+def test_the_registry_places_each_rung_after_its_neighbour_and_applies_what_it_ends_in_one_place() -> None:
+    """Issue 24: a rung's default position is a declared neighbour, opt-in keeps it off the default ladder, and what
+    it ends of other rungs is data applied by the ladder's escalation, both ways."""
+    from oomguard import Amp
+    from oomguard._ladder.plan import BUILTIN_RUNGS
+    from oomguard._ladder.rungs import register, unregister
+
+    class Early(Rung):
+        name = "early"
+        after = "micro_batch"
+        ends = MappingProxyType({"amp": 0})  # (engaged, it takes mixed precision away and keeps it away)
+
+    class Late(Rung):
+        name = "late"
+        after = "quantized_weights"
+        opt_in = True
+
+    class Orphan(Rung):
+        name = "orphan"
+        after = "nowhere"
+
+    register(Late)
+    register(Early)
+    try:
+        assert (BUILTIN_RUNGS[:3], BUILTIN_RUNGS[-1]) == (("micro_batch", "early", "amp"), "late")
+        assert (
+            resolve_ladder(None).names[:3] == ("micro_batch", "early", "amp")
+            and "late" not in resolve_ladder(None).names
+        )
+        context, early = RungContext(batch_size=8), Plan().with_level("early", 1)
+        assert Amp().escalate(early, context) is None, "amp is ended while early is engaged"
+        assert Early().escalate(Plan(precision="bf16"), context) == early, "engaging early ends amp"
+        assert (early.describe(8), early.to_dict()["early"], Plan.from_dict(early.to_dict())) == (
+            "whole batch, early",
+            1,
+            early,
+        )
+        with pytest.raises(ValueError, match="registered already"):
+            register(Early)
+        with pytest.raises(ValueError, match="'nowhere', which is not registered"):
+            register(Orphan)
+    finally:
+        unregister("early")
+        unregister("late")
+    assert "early" not in BUILTIN_RUNGS and resolve_ladder(None).names[1] == "amp"

@@ -183,7 +183,7 @@ def resolve_ladder(spec: Iterable[str | Rung] | None) -> Ladder:
         if own is not None and not isinstance(rung, type(own)):
             raise GuardConfigError(
                 f"ladder= has a rung named {rung.name!r} that is not oomguard.{type(own).__name__}: that name is "
-                f"the built-in rung's (it owns a field of the plan); give your rung a name of its own"
+                f"the built-in rung's (its level is the plan's, by that name); give your rung a name of its own"
             )
     names = [rung.name for rung in rungs]
     duplicates = sorted({name for name in names if names.count(name) > 1})

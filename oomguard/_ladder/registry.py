@@ -97,8 +97,8 @@ class _Names(Sequence[str]):
     def __getitem__(self, index: slice) -> Sequence[str]: ...
 
     def __getitem__(self, index: int | slice) -> str | Sequence[str]:
-        names = [rung.name for rung in _RUNGS]
-        return names[index]
+        names = tuple(rung.name for rung in _RUNGS)
+        return names[index]  # (a slice is a tuple, as the names were before they were read live)
 
     def __len__(self) -> int:
         return len(_RUNGS)
