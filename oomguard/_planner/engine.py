@@ -240,9 +240,13 @@ class _Bench:
         run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
         transfers = probe.transfers(run, parts)
         seconds = self.speed.seconds(
-            flops=counted.total * parts / run, precision=plan.precision, transfer_bytes=transfers,
-            host_params=self._host_params(plan), micro_batches=parts, ops=counted.ops * parts / run,
-        )  # fmt: skip
+            flops=counted.total * parts / run,
+            precision=plan.precision,
+            transfer_bytes=transfers,
+            host_params=self._host_params(plan),
+            micro_batches=parts,
+            ops=counted.ops * parts / run,
+        )
         phase = None if fits else probe.failing_phase(base)
         self.candidates.append(Candidate(plan, peak, overhead, fits, phase, transfers, seconds))
         return self.candidates[-1], base
