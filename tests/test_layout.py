@@ -76,3 +76,46 @@ def test_policy_knows_nothing_of_torch_state_and_the_planner_never_builds_a_guar
 def test_modules_stay_small() -> None:
     sizes = {path.name: len(path.read_text(encoding="utf-8").splitlines()) for path in PACKAGE.rglob("*.py")}
     assert max(sizes.values()) <= 400, sorted(sizes.items(), key=lambda item: -item[1])[:3]
+
+
+SCRIPTS = [PACKAGE.parent / "examples", PACKAGE.parent / "benchmarks"]
+# Micro-benchmarks whose figure is the cost of one private mechanism: no public name can stand in for what they
+# time, so they import it by its private name, and say so here (a file in this list that stops doing so fails).
+TIMES_A_PRIVATE_MECHANISM = {
+    "benchmarks/master_weights.py": "the master level's checksums (oomguard._effects.fingerprint)",
+    "benchmarks/trainer_records.py": "OOMGuardTrainer's per-attempt snapshot (oomguard.integrations._rollback)",
+}
+
+
+def _is_private(name: str) -> bool:
+    """``oomguard._cli.data``, ``oomguard.integrations._rollback``: a dotted part after oomguard's own starts with _."""
+    parts = name.split(".")
+    return parts[0] == "oomguard" and any(part.startswith("_") for part in parts[1:])
+
+
+def _private_imports(path: Path) -> list[str]:
+    """Every private oomguard module (or name) ``path`` imports, at any depth: ``import oomguard._x``,
+    ``from oomguard._x import y``, ``from oomguard import _x``."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            names = [node.module] if _is_private(node.module) else [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        where = f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+        found.extend(f"{where}: {name}" for name in names if _is_private(name))
+    return found
+
+
+def test_examples_and_benchmarks_use_public_names_only() -> None:
+    """What a user copies from examples/ or benchmarks/ works on the public surface alone (a private module may
+    change in any release)."""
+    paths = {str(path.relative_to(PACKAGE.parent)): path for folder in SCRIPTS for path in folder.rglob("*.py")}
+    assert paths, "no example or benchmark found"
+    private = [line for name, path in sorted(paths.items()) for line in _private_imports(path)]
+    forbidden = [line for line in private if line.split(":")[0] not in TIMES_A_PRIVATE_MECHANISM]
+    assert not forbidden, "\n".join(forbidden)
+    stale = {name for name in TIMES_A_PRIVATE_MECHANISM if name not in paths or not _private_imports(paths[name])}
+    assert not stale, f"listed as timing a private mechanism, but import none (take them off the list): {stale}"
