@@ -38,7 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import CountingGPU, make_llama, ragged_lm_batch
+from helpers.batches import ragged_lm_batch
+from helpers.devices import CountingGPU
+from helpers.models import make_llama
 
 from oomguard import OOMEvent, OOMGuard, Plan, StepResult
 

@@ -512,7 +512,7 @@ def test_containers_of_batch_tensors_still_split_element_wise() -> None:
 
 
 def test_a_guarded_step_after_an_oom_gets_each_micro_batch_s_own_texts() -> None:
-    from conftest import make_mlp
+    from helpers.models import make_mlp
 
     from oomguard import oom_guard
     from oomguard.testing import SimulatedGPU
@@ -561,7 +561,8 @@ def test_an_empty_batch_is_refused_with_the_fix(batch: Any) -> None:
 
 
 def test_a_guarded_call_on_an_empty_batch_raises_before_anything_runs() -> None:
-    from conftest import make_mlp, mse_step
+    from helpers.models import make_mlp
+    from helpers.steps import mse_step
 
     from oomguard import oom_guard
 

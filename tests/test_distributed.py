@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_mlp, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.models import make_mlp
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 WORLD = 2

@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_llama, make_mlp, mse_step, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.models import make_llama, make_mlp
+from helpers.steps import mse_step
 from test_jump import SCENARIOS, _batches
 from torch._subclasses.fake_tensor import FakeTensor, is_fake
 from torch.optim.optimizer import register_optimizer_step_post_hook

@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_llama, make_mlp, mse_step, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.models import make_llama, make_mlp
+from helpers.steps import mse_step
 
 from oomguard import GuardConfigError, Plan, oom_guard
 from oomguard.testing import SimulatedGPU

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_llama
+from helpers.models import make_llama
 
 from oomguard import oom_guard
 from oomguard.testing import SimulatedGPU

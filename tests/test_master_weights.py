@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_llama, make_mlp, mse_step, train_on, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.models import make_llama, make_mlp
+from helpers.steps import mse_step, train_on
 from sweep_worker import TINY, clone_state, sweep
 from test_planner import lm_batch, model_step
 from torch._subclasses.fake_tensor import FakeTensorMode

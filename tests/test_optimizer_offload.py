@@ -7,7 +7,8 @@ import copy
 
 import pytest
 import torch
-from conftest import make_llama, train_unguarded
+from helpers.models import make_llama
+from helpers.steps import train_unguarded
 from test_planner import lm_batch, model_step
 
 from oomguard import GuardConfigError, OOMGuard, Plan, oom_guard

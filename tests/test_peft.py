@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_llama
+from helpers.models import make_llama
 
 peft = pytest.importorskip("peft")
 

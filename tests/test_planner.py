@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import VOCAB, make_llama
+from helpers.models import VOCAB, make_llama
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import OOMGuard, Plan, oom_guard, plan

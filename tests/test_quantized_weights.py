@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import VOCAB, make_llama, train_on
+from helpers.models import VOCAB, make_llama
+from helpers.steps import train_on
 from test_planner import lm_batch, model_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 

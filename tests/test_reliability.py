@@ -25,7 +25,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CountingGPU, RecordingSGD, make_llama, make_mlp, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.devices import CountingGPU
+from helpers.models import make_llama, make_mlp
+from helpers.optimizers import RecordingSGD
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from sweep_worker import TINY, TinyNet, clone_state, differences, initial_state, run_step, young_garbage_only

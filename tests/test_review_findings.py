@@ -6,7 +6,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_llama, mse_step, ragged_lm_batch, tuple_batch
+from helpers.batches import ragged_lm_batch, tuple_batch
+from helpers.models import make_llama
+from helpers.steps import mse_step
 
 from oomguard import OOMGuard, Plan, StepRollbackError
 from oomguard.testing import SimulatedGPU

@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import VOCAB, make_llama, make_mlp, mse_step, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.models import VOCAB, make_llama, make_mlp
+from helpers.steps import mse_step
 
 from oomguard import GuardConfigError, MicroBatch, OOMGuard, Plan
 from oomguard._backends.memory import MemorySnapshot

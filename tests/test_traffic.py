@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from conftest import make_llama
+from helpers.models import make_llama
 from test_planner import lm_batch, model_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 

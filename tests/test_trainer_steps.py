@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_llama
+from helpers.models import make_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_integrations import RaggedText, train_plain, training_args
