@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.batches import tuple_batch
+from helpers.batches import lm_batch, tuple_batch
 from helpers.models import make_llama, make_mlp
-from helpers.steps import mse_step, train_on
+from helpers.steps import model_step, mse_step, train_on
 from sweep_worker import TINY, clone_state, sweep
-from test_planner import lm_batch, model_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import LayerOffload, OOMGuard, OptimizerOffload, Plan, RungContext

@@ -52,7 +52,8 @@ def test_checkpointing_of_a_wrapped_model_is_read_without_a_deprecation_warning(
 def test_layer_offload_streams_a_lora_models_frozen_base_layers_through_backward() -> None:
     """A block whose weights are frozen gets no gradient for them, so counting its gradients cannot tell when
     backward is done with it: released early, the base layers' backward read freed storage (a RuntimeError)."""
-    from test_planner import lm_batch, model_step
+    from helpers.batches import lm_batch
+    from helpers.steps import model_step
 
     from oomguard import OOMGuard, Plan
     from oomguard.testing import SimulatedGPU

@@ -22,3 +22,8 @@ def ragged_lm_batch(lengths: list[int], seq_len: int = 12, seed: int = 2) -> dic
     ids = ids.masked_fill(mask == 0, 0)
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def lm_batch(n: int, length: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}

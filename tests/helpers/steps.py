@@ -56,3 +56,7 @@ def train_on(
             results.append(guard(batch))
         peak = gpu.max_memory_allocated()
     return guard, results, peak
+
+
+def model_step(model: torch.nn.Module) -> Any:
+    return lambda batch: model(**batch)
