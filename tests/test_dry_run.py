@@ -390,7 +390,7 @@ def test_a_trainer_planned_before_its_first_step_logs_the_metrics_of_its_real_st
     (its first entropy 1.85 for 5.54: a placeholder's, and num_tokens 2 too high on every later line). The same
     job restarted from the plan it saved (no dry run at all) logs the same figures."""
     pytest.importorskip("trl")
-    from test_trl import assert_same_metrics, trl_sft
+    from helpers.trl_example import assert_same_metrics, trl_sft
 
     plans = str(tmp_path / "plans.json")
     trainer = trl_sft.build(3, str(tmp_path / "planned"), oomguard={"preplan": True, "state_file": plans})

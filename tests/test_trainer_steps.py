@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.hf_trainer import RaggedText, train_plain, training_args
 from helpers.models import make_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_integrations import RaggedText, train_plain, training_args
 
 from oomguard.testing import SimulatedGPU
 
