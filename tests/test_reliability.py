@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.batch_trees import assert_rejoins, nested_batches
 from helpers.batches import tuple_batch
 from helpers.devices import CountingGPU
 from helpers.models import make_llama, make_mlp
@@ -32,7 +33,6 @@ from helpers.optimizers import RecordingSGD
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from sweep_worker import TINY, TinyNet, clone_state, differences, initial_state, run_step, young_garbage_only
-from test_batch import assert_rejoins, nested_batches
 
 from oomguard import (
     BatchSplitError,
