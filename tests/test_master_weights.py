@@ -13,7 +13,7 @@ import torch
 from helpers.batches import lm_batch, tuple_batch
 from helpers.models import make_llama, make_mlp
 from helpers.steps import model_step, mse_step, train_on
-from sweep_worker import TINY, clone_state, sweep
+from helpers.sweep import TINY, clone_state, sweep
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import LayerOffload, OOMGuard, OptimizerOffload, Plan, RungContext

@@ -30,9 +30,9 @@ from helpers.batches import tuple_batch
 from helpers.devices import CountingGPU
 from helpers.models import make_llama, make_mlp
 from helpers.optimizers import RecordingSGD
+from helpers.sweep import TINY, TinyNet, clone_state, differences, initial_state, run_step, young_garbage_only
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from sweep_worker import TINY, TinyNet, clone_state, differences, initial_state, run_step, young_garbage_only
 
 from oomguard import (
     BatchSplitError,
@@ -49,7 +49,7 @@ from oomguard.testing import SimulatedGPU
 
 @pytest.fixture(scope="module", autouse=True)
 def _young_garbage_only() -> Iterator[None]:
-    """The guard's gc.collect() on every recovery scans only what the tests make (see sweep_worker)."""
+    """The guard's gc.collect() on every recovery scans only what the tests make (see helpers.sweep)."""
     with young_garbage_only(lambda: run_step(initial_state(), TINY.batch(0), Plan(), fault=1)):
         yield
 
