@@ -20,6 +20,8 @@ from helpers.models import make_mlp
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 
+pytestmark = [pytest.mark.integration, pytest.mark.subprocess]  # two gloo ranks, each a process
+
 
 def reports(out: Path) -> list[dict[str, Any]]:
     return [json.loads((out / f"report{rank}.json").read_text()) for rank in range(WORLD)]

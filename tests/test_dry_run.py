@@ -385,6 +385,7 @@ def test_a_non_finite_gradient_norm_commits_nothing_when_clipping() -> None:
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
+@pytest.mark.integration
 def test_a_trainer_planned_before_its_first_step_logs_the_metrics_of_its_real_steps(tmp_path: Path) -> None:
     """Before: with preplan=True, TRL's SFTTrainer logged what compute_loss recorded on the dry run's fake tensors
     (its first entropy 1.85 for 5.54: a placeholder's, and num_tokens 2 too high on every later line). The same

@@ -382,12 +382,16 @@ def record_distributed(reports: list[dict[str, Any]]) -> None:
             figures.write(f"DDP, faults on rank 1 of 2 | {name} | {len(faults)} injected | {survived} survived\n")
 
 
+@pytest.mark.integration
+@pytest.mark.subprocess
 def test_an_oom_on_one_of_two_ranks_loses_nothing_on_either(tmp_path: Path) -> None:
     reports = launch_sweep(tmp_path, "sampled", timeout=240)
     record_distributed(reports)
     check_distributed(reports, DEFAULT_DIST_CONFIGS)
 
 
+@pytest.mark.integration
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_an_oom_at_every_allocation_on_one_of_two_ranks_loses_nothing_on_either(tmp_path: Path) -> None:
     reports = launch_sweep(tmp_path, "full", timeout=3600)

@@ -19,6 +19,8 @@ from oomguard.testing import SimulatedGPU
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
+pytestmark = pytest.mark.integration  # the HF Trainer and Accelerate end to end
+
 
 def test_the_trainer_recovers_and_trains_exactly_what_the_plain_trainer_trains(tmp_path: Path) -> None:
     from oomguard.integrations.transformers import OOMGuardTrainer

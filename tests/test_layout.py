@@ -119,3 +119,58 @@ def test_examples_and_benchmarks_use_public_names_only() -> None:
     assert not forbidden, "\n".join(forbidden)
     stale = {name for name in TIMES_A_PRIVATE_MECHANISM if name not in paths or not _private_imports(paths[name])}
     assert not stale, f"listed as timing a private mechanism, but import none (take them off the list): {stale}"
+
+
+TESTS = PACKAGE.parent / "tests"
+# What starts a Python process in a test: the subprocess module, a fork, the interpreter's path, helpers.launch.
+STARTS_A_PROCESS = {"subprocess", "os.fork", "sys.executable", "launch"}
+
+
+def _marks(decorators: list[ast.expr]) -> set[str]:
+    """The ``pytest.mark.<name>`` names among ``decorators`` (or a ``pytestmark`` value's elements)."""
+    return {node.attr for d in decorators for node in ast.walk(d) if isinstance(node, ast.Attribute)} - {"mark"}
+
+
+def _module_marks(tree: ast.Module) -> set[str]:
+    """The marks a module's ``pytestmark = ...`` puts on every test in it."""
+    values = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(target, ast.Name) and target.id == "pytestmark" for target in node.targets)
+    ]
+    return _marks(values)
+
+
+def _process_starters(tree: ast.Module) -> set[str]:
+    """The module's top-level functions that start a Python process: directly, or through another of its functions
+    or a fixture of its own that does."""
+    uses: dict[str, set[str]] = {}
+    for function in (node for node in tree.body if isinstance(node, ast.FunctionDef)):
+        names = {arg.arg for arg in function.args.args}  # (the fixtures it asks for)
+        for node in ast.walk(function):
+            if isinstance(node, ast.Name):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                names.add(f"{node.value.id}.{node.attr}")
+        uses[function.name] = names
+    starters = {name for name, names in uses.items() if names & STARTS_A_PROCESS}
+    while True:  # (through the module's own helpers and fixtures, at any depth)
+        more = {name for name, names in uses.items() if names & starters} - starters
+        if not more:
+            return starters
+        starters |= more
+
+
+def test_every_test_that_starts_a_process_is_marked_so() -> None:
+    """``pytest -m "not integration and not slow"`` runs the fast core; ``-m "not subprocess"`` also leaves out the
+    tests that start processes (gloo ranks, torchrun, the CLI, killed writers). A test that starts one says so."""
+    unmarked: list[str] = []
+    for path in sorted(TESTS.glob("test_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        module, starters = _module_marks(tree), _process_starters(tree)
+        tests = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+        for test in tests:
+            if test.name in starters and "subprocess" not in module | _marks(test.decorator_list):
+                unmarked.append(f"{path.name}::{test.name}")
+    assert not unmarked, f"start a process but are not marked @pytest.mark.subprocess: {unmarked}"

@@ -18,6 +18,7 @@ from oomguard._effects.checkpointing import user_checkpointing  # noqa: E402
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "peft_lora.py"
 
 
+@pytest.mark.integration
 def test_the_lora_example_recovers_and_leaves_the_base_weights_alone(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("peft_lora", EXAMPLE)
     assert spec is not None and spec.loader is not None

@@ -530,6 +530,7 @@ _LIMITED_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status are Linux's")
 def test_a_real_cpu_allocator_oom_under_an_address_space_limit_is_recovered() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}  # few threads, few malloc arenas

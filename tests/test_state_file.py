@@ -210,6 +210,7 @@ print("done", flush=True)
 WRITERS, SAVES = 6, 60
 
 
+@pytest.mark.subprocess
 def test_jobs_sharing_a_state_file_keep_each_others_plans(tmp_path: Path) -> None:
     path = tmp_path / "plans.json"
     command = [sys.executable, "-c", _WRITER, str(path)]

@@ -19,6 +19,8 @@ from oomguard.testing import SimulatedGPU
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+pytestmark = pytest.mark.integration  # the HF Trainer end to end
+
 from oomguard.integrations.transformers import OOMGuardTrainer  # noqa: E402
 
 ROOMY = "64MiB"  # the whole batch fits: the only OOMs are the ones a test injects

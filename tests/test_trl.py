@@ -15,6 +15,8 @@ from helpers.trl_example import EXAMPLE, assert_same_metrics, logged, trl_sft
 
 from oomguard.testing import SimulatedGPU
 
+pytestmark = pytest.mark.integration  # TRL's trainers end to end
+
 ROOMY = "256MiB"  # the whole batch fits (TRL's chunked log-prob buffer included): only injected faults strike
 
 

@@ -338,6 +338,7 @@ for line in sys.stdin:
 KILLS = 40
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_kill_during_a_state_write_never_leaves_a_broken_file(tmp_path: Path) -> None:
     state = tmp_path / "plans.json"
