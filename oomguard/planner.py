@@ -6,6 +6,8 @@ questions they answer on the way:
 
 - :data:`PRESETS` and :func:`load_config`: the architectures ``oomguard.plan`` knows by name (no weights, nothing
   downloaded), as transformers configs.
+- :func:`device_overhead`: what a CUDA device adds to a tensor peak (its context, workspaces, the allocator's
+  slack), which ``target="cuda"`` plans include.
 - :class:`DeviceSpeed` and :func:`measure_speed`: the time model that ranks the plans that fit (pass one as
   ``oomguard.plan(..., speed=...)``), default or measured on this machine.
 - :func:`dry_run`: one training step of any model, on fake tensors, on the plans given (or down the ladder); its
@@ -32,7 +34,8 @@ A sketch (the planner's tensor peak of a plan, on fake tensors)::
 from oomguard._planner.engine import dry_run
 from oomguard._planner.fakes import preplan
 from oomguard._planner.presets import PRESETS, load_config
+from oomguard._planner.report import device_overhead
 from oomguard._planner.speed import DeviceSpeed, measure_speed
 
 # (plain sorted order, as tests/test_public_api.py checks every public __all__; ruff would put PRESETS first)
-__all__ = ["DeviceSpeed", "PRESETS", "dry_run", "load_config", "measure_speed", "preplan"]  # noqa: RUF022
+__all__ = ["DeviceSpeed", "PRESETS", "device_overhead", "dry_run", "load_config", "measure_speed", "preplan"]  # noqa: RUF022
