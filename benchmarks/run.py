@@ -37,8 +37,7 @@ from _scenarios import Scenario, build_scenario, specs
 from _tables import markdown
 from overhead import measure
 
-from oomguard._backends.units import parse_bytes
-from oomguard._cli.demo import DemoConfig
+from oomguard.testing import DemoConfig, parse_bytes
 
 HERE = Path(__file__).resolve().parent
 

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_mlp, mse_step, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.models import make_mlp
+from helpers.steps import mse_step
 from hypothesis import given
 from hypothesis import strategies as st
 

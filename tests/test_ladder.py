@@ -8,17 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import (
-    LADDER_WITHOUT_OPTIMIZER_OFFLOAD,
-    RecordingSGD,
-    first_event,
-    make_llama,
-    make_mlp,
-    mse_step,
-    tuple_batch,
-)
-from test_planner import lm_batch as planner_batch
-from test_planner import model_step
+from helpers.batches import lm_batch as planner_batch
+from helpers.batches import tuple_batch
+from helpers.events import first_event
+from helpers.models import make_llama, make_mlp
+from helpers.optimizers import RecordingSGD
+from helpers.steps import LADDER_WITHOUT_OPTIMIZER_OFFLOAD, model_step, mse_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import Amp, LadderExhausted, OOMGuard, Plan, RungContext, oom_guard

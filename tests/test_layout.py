@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "oomguard"
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
 #: Modules over a limit, and their owners, who are fixing them (issue 24): each mark comes off with its fix.
@@ -145,6 +147,7 @@ def _modules() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
 
+@pytest.mark.subprocess
 def test_the_counting_is_ruff_formats_and_a_format_skip_does_not_shrink_a_module() -> None:
     squeezed = "def f(a, b):\n    return [a,\n            b]  # fmt: skip\n"
     assert formatted(squeezed).count("\n") == 2, "the skip is ignored: the list is joined as ruff joins it"
@@ -155,6 +158,7 @@ def test_the_counting_is_ruff_formats_and_a_format_skip_does_not_shrink_a_module
     assert function_lengths(source) == {"f": 3, "C.g": 2}
 
 
+@pytest.mark.subprocess
 def test_modules_stay_small() -> None:
     sizes = {name: text.count("\n") for name, text in _formatted_package().items()}
     assert max(sizes.values()) <= MAX_MODULE_LINES, sorted(sizes.items(), key=lambda item: -item[1])[:3]
@@ -197,6 +201,7 @@ def test_signals_are_held_and_delivered_and_the_call_record_written_by_the_recov
     assert writers == {"_guard/loop.py"}
 
 
+@pytest.mark.subprocess
 def test_functions_stay_small() -> None:
     long = {
         f"{name}:{function}": lines
@@ -205,3 +210,101 @@ def test_functions_stay_small() -> None:
         if lines > MAX_FUNCTION_LINES
     }
     assert not long, long
+
+
+SCRIPTS = [PACKAGE.parent / "examples", PACKAGE.parent / "benchmarks"]
+# Micro-benchmarks whose figure is the cost of one private mechanism: no public name can stand in for what they
+# time, so they import it by its private name, and say so here (a file in this list that stops doing so fails).
+TIMES_A_PRIVATE_MECHANISM = {
+    "benchmarks/master_weights.py": "the master level's checksums (oomguard._effects.fingerprint)",
+    "benchmarks/trainer_records.py": "OOMGuardTrainer's per-attempt snapshot (oomguard.integrations._rollback)",
+}
+
+
+def _is_private(name: str) -> bool:
+    """``oomguard._cli.data``, ``oomguard.integrations._rollback``: a dotted part after oomguard's own starts with _."""
+    parts = name.split(".")
+    return parts[0] == "oomguard" and any(part.startswith("_") for part in parts[1:])
+
+
+def _private_imports(path: Path) -> list[str]:
+    """Every private oomguard module (or name) ``path`` imports, at any depth: ``import oomguard._x``,
+    ``from oomguard._x import y``, ``from oomguard import _x``."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            names = [node.module] if _is_private(node.module) else [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        where = f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+        found.extend(f"{where}: {name}" for name in names if _is_private(name))
+    return found
+
+
+def test_examples_and_benchmarks_use_public_names_only() -> None:
+    """What a user copies from examples/ or benchmarks/ works on the public surface alone (a private module may
+    change in any release)."""
+    paths = {str(path.relative_to(PACKAGE.parent)): path for folder in SCRIPTS for path in folder.rglob("*.py")}
+    assert paths, "no example or benchmark found"
+    private = [line for name, path in sorted(paths.items()) for line in _private_imports(path)]
+    forbidden = [line for line in private if line.split(":")[0] not in TIMES_A_PRIVATE_MECHANISM]
+    assert not forbidden, "\n".join(forbidden)
+    stale = {name for name in TIMES_A_PRIVATE_MECHANISM if name not in paths or not _private_imports(paths[name])}
+    assert not stale, f"listed as timing a private mechanism, but import none (take them off the list): {stale}"
+
+
+TESTS = PACKAGE.parent / "tests"
+# What starts a Python process in a test: the subprocess module, a fork, the interpreter's path, helpers.launch.
+STARTS_A_PROCESS = {"subprocess", "os.fork", "sys.executable", "launch"}
+
+
+def _marks(decorators: list[ast.expr]) -> set[str]:
+    """The ``pytest.mark.<name>`` names among ``decorators`` (or a ``pytestmark`` value's elements)."""
+    return {node.attr for d in decorators for node in ast.walk(d) if isinstance(node, ast.Attribute)} - {"mark"}
+
+
+def _module_marks(tree: ast.Module) -> set[str]:
+    """The marks a module's ``pytestmark = ...`` puts on every test in it."""
+    values = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(target, ast.Name) and target.id == "pytestmark" for target in node.targets)
+    ]
+    return _marks(values)
+
+
+def _process_starters(tree: ast.Module) -> set[str]:
+    """The module's top-level functions that start a Python process: directly, or through another of its functions
+    or a fixture of its own that does."""
+    uses: dict[str, set[str]] = {}
+    for function in (node for node in tree.body if isinstance(node, ast.FunctionDef)):
+        names = {arg.arg for arg in function.args.args}  # (the fixtures it asks for)
+        for node in ast.walk(function):
+            if isinstance(node, ast.Name):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                names.add(f"{node.value.id}.{node.attr}")
+        uses[function.name] = names
+    starters = {name for name, names in uses.items() if names & STARTS_A_PROCESS}
+    while True:  # (through the module's own helpers and fixtures, at any depth)
+        more = {name for name, names in uses.items() if names & starters} - starters
+        if not more:
+            return starters
+        starters |= more
+
+
+def test_every_test_that_starts_a_process_is_marked_so() -> None:
+    """``pytest -m "not integration and not slow"`` runs the fast core; ``-m "not subprocess"`` also leaves out the
+    tests that start processes (gloo ranks, torchrun, the CLI, killed writers). A test that starts one says so."""
+    unmarked: list[str] = []
+    for path in sorted(TESTS.glob("test_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        module, starters = _module_marks(tree), _process_starters(tree)
+        tests = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+        for test in tests:
+            if test.name in starters and "subprocess" not in module | _marks(test.decorator_list):
+                unmarked.append(f"{path.name}::{test.name}")
+    assert not unmarked, f"start a process but are not marked @pytest.mark.subprocess: {unmarked}"

@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import VOCAB, make_llama, make_mlp, mse_step, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.models import VOCAB, make_llama, make_mlp
+from helpers.steps import mse_step
 
 from oomguard import GuardConfigError, MicroBatch, OOMGuard, Plan
 from oomguard._backends.memory import MemorySnapshot
@@ -208,6 +210,7 @@ print("done", flush=True)
 WRITERS, SAVES = 6, 60
 
 
+@pytest.mark.subprocess
 def test_jobs_sharing_a_state_file_keep_each_others_plans(tmp_path: Path) -> None:
     path = tmp_path / "plans.json"
     command = [sys.executable, "-c", _WRITER, str(path)]

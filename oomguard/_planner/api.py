@@ -51,19 +51,18 @@ def plan(
     ladder, until one fits. Takes seconds for a 1B-parameter model on a laptop CPU.
 
     Args:
-        model: a preset name (see ``oomguard._planner.presets.PRESETS``: ``"tinyllama-1.1b"``, ``"gpt2"``...), the path
+        model: a preset name (see ``oomguard.planner.PRESETS``: ``"tinyllama-1.1b"``, ``"gpt2"``...), the path
             of a transformers ``config.json`` (or its folder), a config dict with ``model_type``, or a config.
         gpu_memory: the device's total memory, e.g. ``"6GiB"``.
         batch_size, seq_len: the batch, in sequences of ``seq_len`` tokens.
         optimizer: ``"adamw"`` or ``"sgd"`` (with momentum), as ``torch.optim`` runs them on CUDA (foreach).
         ladder: the guard's ladder (rung names or objects); the default ladder if None.
-        target: ``"cuda"`` adds what a CUDA device holds beyond the tensors (its context and the allocator's
-            rounding: the report's ``device_overhead_bytes``) to every peak; ``"simulated"`` plans for a
-            :class:`~oomguard.testing.SimulatedGPU` of that capacity (no overhead).
+        target: ``"cuda"`` adds :func:`oomguard.planner.device_overhead` to every peak; ``"simulated"`` plans
+            for a :class:`~oomguard.testing.SimulatedGPU` of that capacity (no overhead).
         bf16: whether the device runs bf16 (Ampere and newer); else mixed precision is fp16.
         max_grad_norm: plan with gradient clipping, as the guard's option of that name.
         speed: the device model that predicts each plan's step time (the recommendation is the fastest fitting
-            plan by it); default: a 6 GB consumer GPU (see :class:`oomguard._planner.speed.DeviceSpeed`).
+            plan by it); default: a 6 GB consumer GPU (see :class:`oomguard.planner.DeviceSpeed`).
         lora_rank: plan a LoRA fine-tune instead of a full one: the model frozen, rank-``lora_rank`` adapters on
             ``lora_targets`` (``"all-linear"``: every linear layer but the output head; or layer names as PEFT's
             ``target_modules``, e.g. ``["q_proj", "v_proj"]``) trained, as a PEFT LoRA job computes them
