@@ -20,6 +20,7 @@ import torch
 from oomguard._backends.memory import MemoryBackend
 from oomguard._detect import is_oom
 from oomguard._effects.base import Effect, EffectTarget, Packer
+from oomguard._effects.layers import LayerOffloadEffect
 from oomguard._errors import GuardConfigError
 from oomguard._events import logger
 from oomguard._ladder.plan import Plan
@@ -51,6 +52,11 @@ class Effects:
             if make is not None:
                 self._effects.append(_made(make, target, rung))
         self._scaler_state: dict[str, Any] | None = None
+
+    @property
+    def offloaded_layers(self) -> int:
+        """How many blocks are offloaded now (what the layer-offload effect streams; 0 without one)."""
+        return sum(effect.offloaded for effect in self._effects if isinstance(effect, LayerOffloadEffect))
 
     # -- persistent effects ---------------------------------------------------------------------------
     def apply(self, plan: Plan, backend: MemoryBackend) -> bool:
