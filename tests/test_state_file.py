@@ -67,10 +67,13 @@ def new_buckets(**kwargs: Any) -> Buckets:
 
 
 def run_bucket(buckets: Buckets, bucket: int, plan: Plan | None = None) -> bool:
-    """One call in ``bucket`` that finishes on ``plan`` (default: the chosen one), as the guard reports it."""
+    """One call in ``bucket`` that finishes on ``plan`` (default: the chosen one), as the guard reports it; whether
+    the bucket's plan changed."""
     with SimulatedGPU(ROOMY) as gpu:
         choice = buckets.choose(bucket, 8, gpu, 1.0)
-    return buckets.succeeded(choice, plan or choice.plan)
+    before = buckets.plans()[bucket]
+    buckets.succeeded(choice, plan or choice.plan)
+    return buckets.plans()[bucket] != before
 
 
 # -- 1. a state file that cannot be written ---------------------------------------------------------------
