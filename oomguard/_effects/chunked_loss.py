@@ -24,6 +24,7 @@ from torch.nn import functional
 
 from oomguard._effects.chunked_ce import ChunkSpec, chunk_rows, chunked_cross_entropy, needs_of
 from oomguard._effects.lazy_logits import HeadCall, LazyLogits, compute_dtype
+from oomguard._errors import GuardConfigError
 
 __all__ = ["ChunkedLoss", "causal_lm"]
 
@@ -126,12 +127,12 @@ class ChunkedLoss:
         return self._patched is not None
 
     def apply(self, model: torch.nn.Module) -> None:
-        """Patch ``model``'s head and loss; raises ``ValueError`` with the reason where :meth:`applies` refuses."""
+        """Patch ``model``'s head and loss; raises :class:`~oomguard.GuardConfigError` with the reason where :meth:`applies` refuses."""
         reason = self.applies(model)
         if reason is not None:
-            raise ValueError(f"the chunked loss cannot be applied to {type(model).__name__}: {reason}")
+            raise GuardConfigError(f"the chunked loss cannot be applied to {type(model).__name__}: {reason}")
         if self._patched is not None:
-            raise ValueError("this ChunkedLoss holds another model already: undo it first, or make another one")
+            raise GuardConfigError("this ChunkedLoss holds another model already: undo it first, or make another one")
         target = causal_lm(model)
         assert target is not None  # applies() found it
         head, original_loss = target.lm_head, target.loss_function

@@ -1,0 +1,347 @@
+"""The chunked_loss rung's mechanism: a causal LM's loss in chunks of tokens, exact, with no full logits.
+
+Models are built here (random weights, nothing downloaded). Every exactness test also checks that the chunked path
+ran (the logits the model returned were never computed), so a silent fallback to the plain loss cannot pass it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from oomguard import GuardConfigError
+from oomguard._effects.chunked_loss import ChunkedLoss
+from oomguard._effects.lazy_logits import LazyLogits
+from oomguard.testing import SimulatedGPU
+
+VOCAB = 512
+SMALL_CHUNKS = 4 * VOCAB * 8  # 8 rows a chunk: every test batch takes several chunks
+
+
+def _config_kwargs(hidden: int = 32) -> dict[str, Any]:
+    return {
+        "vocab_size": VOCAB,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+
+
+def llama(bias: bool = False) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**_config_kwargs(), tie_word_embeddings=False))
+    if bias:  # a head with a bias (the model's forward only calls self.lm_head)
+        model.lm_head = torch.nn.Linear(32, VOCAB, bias=True)
+        torch.nn.init.normal_(model.lm_head.bias, std=0.5)
+    return model
+
+
+def qwen2(vocab: int = VOCAB, hidden: int = 32) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**{**_config_kwargs(hidden), "vocab_size": vocab}, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config)
+
+
+def gemma2() -> torch.nn.Module:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(Gemma2Config(**_config_kwargs(), head_dim=8, final_logit_softcapping=30.0))
+
+
+def cohere() -> torch.nn.Module:
+    from transformers import CohereConfig, CohereForCausalLM
+
+    torch.manual_seed(0)
+    return CohereForCausalLM(CohereConfig(**_config_kwargs(), logit_scale=0.25))
+
+
+def granite() -> torch.nn.Module:
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(0)
+    return GraniteForCausalLM(GraniteConfig(**_config_kwargs(), logits_scaling=8.0))
+
+
+def ragged(lengths: tuple[int, ...] = (24, 17, 9), seq: int = 24, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
+    """Right-padded samples of different lengths, pads masked and labelled -100, and a prompt masked too."""
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, vocab, (len(lengths), seq), generator=generator)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, :5] = -100  # a prompt that does not count
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask, "labels": labels}
+
+
+def step(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any]:
+    """One forward and backward: the loss, every parameter's gradient, the outputs."""
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return out.loss.detach(), grads, out
+
+
+def assert_close_relative(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> None:
+    """``got`` within ``tolerance`` of ``want``, relative to ``want``'s largest value (float summation order)."""
+    scale = want.abs().max().clamp(min=1e-30)
+    assert ((got - want).abs().max() / scale).item() <= tolerance, ((got - want).abs().max() / scale).item()
+
+
+def chunked(model: torch.nn.Module, chunk_bytes: int | None = SMALL_CHUNKS) -> ChunkedLoss:
+    rung = ChunkedLoss(chunk_bytes=chunk_bytes)
+    assert ChunkedLoss.applies(model) is None
+    rung.apply(model)
+    return rung
+
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "llama": llama,
+    "qwen2-tied": qwen2,
+    "llama-bias": lambda: llama(bias=True),
+    "gemma2-softcap": gemma2,
+    "cohere-scale": cohere,
+    "granite-scale": granite,
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("items", [None, 41])
+def test_fp32_loss_and_every_gradient_equal_the_models_own(name: str, items: int | None) -> None:
+    model = MODELS[name]()
+    batch = ragged()
+    if items is not None:  # the Trainer's (and the guard's) exact accumulation: sum, then divide by this
+        batch["num_items_in_batch"] = torch.tensor(items)
+    want_loss, want_grads, _ = step(model, batch)
+    chunked(model)
+    got_loss, got_grads, out = step(model, batch)
+    assert isinstance(out.logits, LazyLogits) and not out.logits.materialized  # the chunked path ran
+    assert_close_relative(got_loss, want_loss, 1e-5)
+    assert got_grads.keys() == want_grads.keys()
+    for key, want in want_grads.items():
+        assert_close_relative(got_grads[key], want, 1e-5)
+
+
+def test_shift_labels_given_by_the_caller_are_used_as_they_are() -> None:
+    model = qwen2()
+    batch = ragged()
+    labels = batch.pop("labels")
+    batch["shift_labels"] = torch.roll(labels, -3, dims=1)  # not the shift the loss would make itself
+    batch["labels"] = labels
+    want_loss, want_grads, _ = step(model, batch)
+    chunked(model)
+    got_loss, got_grads, out = step(model, batch)
+    assert not out.logits.materialized
+    assert_close_relative(got_loss, want_loss, 1e-5)
+    assert_close_relative(got_grads["model.embed_tokens.weight"], want_grads["model.embed_tokens.weight"], 1e-5)
+
+
+def test_bf16_autocast_is_within_amps_tolerance_and_sums_the_head_gradient_in_fp32() -> None:
+    model = llama()
+    batch = ragged()
+    exact_loss, exact_grads, _ = step(model, batch)  # fp32: the truth both bf16 runs are measured against
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        amp_loss, amp_grads, _ = step(model, batch)
+    chunked(model, chunk_bytes=4 * VOCAB)  # one row a chunk: 70 bf16 products summed into the weight gradient
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_loss, got_grads, out = step(model, batch)
+    assert not out.logits.materialized and out.logits.dtype == torch.bfloat16
+    assert_close_relative(got_loss, amp_loss, 2e-2)
+    for key, want in amp_grads.items():
+        assert_close_relative(got_grads[key], want, 5e-2)
+    # Summed in bf16, 70 chunks would lose far more than amp's one product; summed in fp32 they do not.
+    head = "lm_head.weight"
+    amp_error = (amp_grads[head] - exact_grads[head]).abs().max()
+    got_error = (got_grads[head] - exact_grads[head]).abs().max()
+    assert got_error <= 1.5 * amp_error, (got_error, amp_error)
+    assert_close_relative(got_loss, exact_loss, 2e-2)
+
+
+def test_a_step_reading_the_logits_gets_the_unchunked_values_and_their_gradient() -> None:
+    model = gemma2()
+    batch = ragged()
+    plain = model(**batch)
+    want_accuracy = (plain.logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]).float().mean()
+    want_loss, want_grads, _ = step(model, batch)
+    chunked(model)
+    out = model(**batch)
+    assert not out.logits.materialized  # the loss was computed in chunks, before anything read the logits
+    accuracy = (out.logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]).float().mean()  # a token-accuracy metric
+    assert accuracy.item() == want_accuracy.item()
+    assert torch.equal(out.logits, plain.logits)  # the same values, bit for bit (softcap included)
+    assert out.logits.shape == plain.logits.shape and out.logits.dtype == plain.logits.dtype
+    # A loss built from the logits (a distillation term) trains through them as without the rung.
+    model.zero_grad(set_to_none=True)
+    (out.loss + out.logits.square().mean()).backward()
+    reference = gemma2()  # the same weights, no rung
+    ref_out = reference(**batch)
+    (ref_out.loss + ref_out.logits.square().mean()).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        assert_close_relative(p.grad, q.grad, 1e-5)
+
+
+def test_a_forward_without_labels_gives_real_logits_with_gradient_history() -> None:
+    model = qwen2()
+    batch = ragged()
+    labels = batch.pop("labels")
+    want = model(**batch).logits
+    chunked(model)
+    logits = model(**batch).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    loss.backward()  # the user's own loss from the logits: they must carry their history
+    assert model.model.embed_tokens.weight.grad is not None
+    assert torch.equal(logits, want)
+
+
+def test_undo_puts_the_model_back_bit_for_bit() -> None:
+    model = llama(bias=True)
+    batch = ragged()
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    head_attributes, model_attributes = set(vars(model.lm_head)), set(vars(model))
+    want = model(**batch)
+    rung = chunked(model)
+    assert model.loss_function is not ForCausalLMLoss and "forward" in vars(model.lm_head)
+    rung.undo(model)
+    assert not rung.applied
+    assert set(vars(model.lm_head)) == head_attributes and set(vars(model)) == model_attributes
+    assert model.loss_function is ForCausalLMLoss
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+    got = model(**batch)
+    assert type(got.logits) is torch.Tensor and torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
+    assert ChunkedLoss.applies(model) is None  # and it can be applied again
+
+
+def test_undo_gives_back_a_loss_function_the_user_had_set() -> None:
+    model = qwen2()
+    model.loss_function = ForCausalLMLoss  # set on the instance: the setter keeps it in _loss_function
+    rung = chunked(model)
+    rung.undo()
+    assert vars(model)["_loss_function"] is ForCausalLMLoss
+
+
+def test_a_second_backward_through_the_same_graph_fails_loudly() -> None:
+    model = qwen2()
+    chunked(model)
+    loss = model(**ragged()).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()  # the kept gradients were scaled in place: never used twice
+
+
+def test_an_evaluation_forward_makes_no_gradients() -> None:
+    model = qwen2()
+    batch = ragged()
+    want = model(**batch).loss
+    chunked(model)
+    with torch.no_grad():
+        out = model(**batch)
+    assert not out.loss.requires_grad and not out.logits.materialized
+    assert_close_relative(out.loss, want.detach(), 1e-5)
+
+
+def _refusals() -> dict[str, Callable[[], torch.nn.Module]]:
+    def lora_head() -> torch.nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(llama(), LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
+
+    def custom_loss() -> torch.nn.Module:
+        model = llama()
+        model.loss_function = lambda *args, **kwargs: ForCausalLMLoss(*args, **kwargs) * 2
+        return model
+
+    def hooked_head() -> torch.nn.Module:
+        model = llama()
+        model.lm_head.register_forward_hook(lambda module, args, out: None)
+        return model
+
+    def trl_fused_head() -> torch.nn.Module:
+        from trl.trainer.utils import add_fused_lm_head
+
+        model = llama()
+        add_fused_lm_head(model)
+        return model
+
+    def applied_already() -> torch.nn.Module:
+        model = llama()
+        ChunkedLoss().apply(model)
+        return model
+
+    return {
+        "lora adapter on the head": lora_head,
+        "a custom loss": custom_loss,
+        "a hook on the head": hooked_head,
+        "TRL's fused head": trl_fused_head,
+        "applied already": applied_already,
+        "not a causal LM": lambda: torch.nn.Sequential(torch.nn.Linear(4, 4)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_refusals()))
+def test_models_it_cannot_be_exact_on_are_refused_with_the_reason(case: str) -> None:
+    model = _refusals()[case]()
+    reason = ChunkedLoss.applies(model)
+    assert reason is not None
+    with pytest.raises(GuardConfigError, match="cannot be applied"):
+        ChunkedLoss().apply(model)
+
+
+def test_a_lora_model_without_an_adapter_on_the_head_is_patched_through_its_wrapper() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(llama(), LoraConfig(r=2, target_modules=["q_proj"]))
+    batch = ragged()
+    want_loss, _, _ = step(model, batch)
+    rung = chunked(model)
+    got_loss, _, out = step(model, batch)
+    assert not out.logits.materialized
+    assert_close_relative(got_loss, want_loss, 1e-5)
+    rung.undo(model)
+
+
+def _peak(model: torch.nn.Module, batch: dict[str, torch.Tensor], steps: int = 2) -> int:
+    """The steady (last) step's peak under a simulated GPU: forward, backward and AdamW's step, fp32."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with SimulatedGPU("8GiB") as gpu:
+        gpu.adopt(model, batch.values())
+        for _ in range(steps):
+            gpu.reset_peak_memory_stats()
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return gpu.max_memory_allocated()
+
+
+def test_the_steady_peak_is_at_most_four_tenths_of_the_plain_one() -> None:
+    # The issue's case: Qwen2 config, vocabulary 32,000, hidden 64, 2 layers, tied, 4 x 256 tokens, fp32, AdamW.
+    batch = ragged(lengths=(256, 200, 256, 130), seq=256, vocab=32_000)
+    plain = _peak(qwen2(vocab=32_000, hidden=64), batch)
+    model = qwen2(vocab=32_000, hidden=64)
+    chunked(model, chunk_bytes=None)  # the default chunk size
+    assert _peak(model, batch) <= 0.4 * plain
+
+
+def test_it_runs_on_fake_tensors_as_the_planner_does() -> None:
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        model = qwen2()  # parameters made as fakes
+        chunked(model)
+        batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long), "labels": torch.zeros(2, 16, dtype=torch.long)}
+        out = model(**batch)
+        out.loss.backward()
+        assert isinstance(out.loss, FakeTensor) and not out.logits.materialized
+        assert isinstance(model.model.embed_tokens.weight.grad, FakeTensor)
