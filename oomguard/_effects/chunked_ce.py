@@ -67,7 +67,7 @@ def chunked_cross_entropy(
     """The fp32 sum of the cross-entropies of ``spec.steps(linear(x, weight, bias))`` rows against ``target``.
 
     ``x``: (rows, hidden), ``target``: (rows,) class indices. Differentiable in ``x``, ``weight`` and ``bias``."""
-    result: torch.Tensor = _ChunkedHeadLoss.apply(x, weight, bias, target, spec)
+    result: torch.Tensor = _ChunkedHeadLoss.apply(x, weight, bias, target, spec)  # type: ignore[no-untyped-call]
     return result
 
 

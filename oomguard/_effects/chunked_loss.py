@@ -17,7 +17,7 @@ its logits are real on first use. :meth:`ChunkedLoss.applies` says which models 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn import functional
@@ -127,7 +127,8 @@ class ChunkedLoss:
         return self._patched is not None
 
     def apply(self, model: torch.nn.Module) -> None:
-        """Patch ``model``'s head and loss; raises :class:`~oomguard.GuardConfigError` with the reason where :meth:`applies` refuses."""
+        """Patch ``model``'s head and loss; raises :class:`~oomguard.GuardConfigError` with the reason where
+        :meth:`applies` refuses."""
         reason = self.applies(model)
         if reason is not None:
             raise GuardConfigError(f"the chunked loss cannot be applied to {type(model).__name__}: {reason}")
@@ -135,9 +136,9 @@ class ChunkedLoss:
             raise GuardConfigError("this ChunkedLoss holds another model already: undo it first, or make another one")
         target = causal_lm(model)
         assert target is not None  # applies() found it
-        head, original_loss = target.lm_head, target.loss_function
+        head, original_loss = cast(torch.nn.Linear, target.lm_head), target.loss_function
         self._had_loss = ("_loss_function" in vars(target), vars(target).get("_loss_function"))
-        head.forward = _lazy_head(head)  # an instance attribute: nn.Module.__call__ finds it before the class's
+        head.forward = _lazy_head(head)  # type: ignore[method-assign]  # on the instance: found before the class
         target.loss_function = _chunked_loss(original_loss, self.chunk_bytes)
         self._patched = target
 
@@ -148,7 +149,7 @@ class ChunkedLoss:
             return
         if model is not None and causal_lm(model) is not target:
             raise ValueError("undo() was given another model than the one this ChunkedLoss was applied to")
-        del target.lm_head.forward  # the class's forward again
+        del cast(torch.nn.Linear, target.lm_head).forward  # the class's forward again
         had, value = self._had_loss
         if had:
             target.loss_function = value

@@ -28,16 +28,24 @@ __all__ = ["HeadCall", "LazyLogits", "Step", "compute_dtype"]
 
 _T = torch.Tensor
 #: Functions that read only the tensor's metadata, answered from the wrapper without computing anything.
-_METADATA: frozenset[Callable[..., Any]] = frozenset(
+_PROPERTIES = (
+    "shape",
+    "dtype",
+    "device",
+    "ndim",
+    "layout",
+    "is_cuda",
+    "is_cpu",
+    "is_meta",
+    "is_sparse",
+    "is_quantized",
+)
+_METADATA: frozenset[Any] = frozenset(
     {_T.size, _T.dim, _T.numel, _T.is_floating_point, _T.is_complex, _T.element_size, _T.get_device, _T.__len__}
-    | {
-        getattr(_T, name).__get__
-        for name in ("shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse")
-        + ("is_quantized", "requires_grad", "itemsize", "is_nested")
-    }
+    | {getattr(_T, name).__get__ for name in (*_PROPERTIES, "requires_grad", "itemsize", "is_nested")}
 )
 #: Element-wise functions of the logits and constants: recorded, then replayed on each chunk of rows.
-_ELEMENTWISE: frozenset[Callable[..., Any]] = frozenset(
+_ELEMENTWISE: frozenset[Any] = frozenset(
     {_T.__mul__, _T.__rmul__, _T.__truediv__, _T.__rtruediv__, _T.__add__, _T.__radd__, _T.__sub__, _T.__rsub__}
     | {_T.__neg__, _T.mul, _T.div, _T.add, _T.sub, _T.tanh, _T.neg, _T.float, _T.to}
     | {torch.mul, torch.div, torch.add, torch.sub, torch.tanh, torch.neg, torch.true_divide, _T.true_divide}
@@ -125,7 +133,7 @@ class LazyLogits(torch.Tensor):
         """Whether the real logits were asked for (then every later use, the loss too, reads them)."""
         return self._real is not None
 
-    def real(self) -> torch.Tensor:
+    def materialize(self) -> torch.Tensor:
         """The real logits: computed on first use (with gradient history where grad mode is on), then kept."""
         if self._real is None:
             with torch._C.DisableTorchFunctionSubclass():
@@ -152,11 +160,11 @@ class LazyLogits(torch.Tensor):
         if step is not None:
             return args[step.index]._then(step)
         # Any other use needs the values: run it on the real logits (``_real`` makes in-place ops stick).
-        real_args, real_kwargs = tree_map(lambda a: a.real() if isinstance(a, LazyLogits) else a, (args, kwargs))
+        real_args, real_kwargs = tree_map(lambda a: a.materialize() if isinstance(a, LazyLogits) else a, (args, kwargs))
         return func(*real_args, **real_kwargs)
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         # Only C++ code that skips torch functions gets here, below autograd: real logits made here would have no
