@@ -346,3 +346,62 @@ def test_it_runs_on_fake_tensors_as_the_planner_does() -> None:
         out.loss.backward()
         assert isinstance(out.loss, FakeTensor) and not out.logits.materialized
         assert isinstance(model.model.embed_tokens.weight.grad, FakeTensor)
+
+
+def _forward_backward_peak(gpu: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """The peak over what is resident of one forward and backward on ``gpu`` (simulated or the planner's)."""
+    gpu.adopt(model, batch.values())
+    base = gpu.memory_allocated()
+    gpu.reset_peak_memory_stats()
+    model(**batch).loss.backward()
+    return int(gpu.max_memory_allocated() - base)
+
+
+def test_the_planners_fake_run_sees_every_allocation_the_simulator_counts() -> None:
+    from oomguard._backends.accounting import AccountedDevice
+    from oomguard._planner.fakes import _faked
+
+    batch = ragged(lengths=(64, 40), seq=64, vocab=8192)
+    model = qwen2(vocab=8192, hidden=32)
+    chunked(model, chunk_bytes=4 * 8192 * 16)  # 16 rows a chunk: 8 chunks
+    with SimulatedGPU("8GiB") as gpu:
+        real = _forward_backward_peak(gpu, model, batch)
+    model = qwen2(vocab=8192, hidden=32)
+    chunked(model, chunk_bytes=4 * 8192 * 16)
+    faked = _faked(model, torch.optim.AdamW(model.parameters()), batch, cuda=False)
+    with faked as (_, fake_batch), AccountedDevice(2**62, name="planner") as probe:  # the planner's accounting
+        fake = _forward_backward_peak(probe, model, fake_batch)
+    assert fake == real  # the chunks' logits and softmax are ordinary ops: priced as they are allocated
+
+
+def test_an_oom_at_any_allocation_of_the_chunked_loss_leaves_nothing_behind() -> None:
+    # The chunked loss allocates only in the forward (its backward scales the gradients it kept, in place): a
+    # sweep of the forward's allocations fails each of its chunks' in turn.
+    model = qwen2()
+    batch = ragged()
+    want_loss, want_grads, _ = step(model, batch)
+    chunked(model, chunk_bytes=4 * VOCAB * 32)  # 3 chunks of 32 rows (72 in all): the last one shorter
+    model.zero_grad(set_to_none=True)
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model, batch.values())
+        base, before = gpu.memory_allocated(), gpu.allocations
+        model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        backbone = gpu.allocations - before  # the layers' allocations come first: the sweep starts after them
+        before = gpu.allocations
+        model(**batch)
+        count = gpu.allocations - before  # every allocation of one forward, the loss's chunks included
+        assert count > backbone + 3 * 5  # 3 chunks, several allocations each
+        for n in range(backbone + 1, count + 1):
+            gpu.fail_allocation(n)
+            failed = False
+            try:
+                model(**batch).loss.backward()
+            except torch.OutOfMemoryError:
+                failed = True
+            assert failed and not gpu.fault_pending, n
+            assert gpu.memory_allocated() == base, n  # the lazy logits and the kept gradients are gone
+            assert all(p.grad is None for p in model.parameters()), n  # the forward failed: no gradient made
+        got_loss, got_grads, _ = step(model, batch)
+    assert_close_relative(got_loss, want_loss, 1e-5)
+    for key, want in want_grads.items():
+        assert_close_relative(got_grads[key], want, 1e-5)
