@@ -153,11 +153,12 @@ def test_bf16_autocast_is_within_amps_tolerance_and_sums_the_head_gradient_in_fp
     batch = ragged()
     exact_loss, exact_grads, _ = step(model, batch)  # fp32: the truth both bf16 runs are measured against
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        amp_loss, amp_grads, _ = step(model, batch)
+        amp_loss, amp_grads, amp_out = step(model, batch)
     chunked(model, chunk_bytes=4 * VOCAB)  # one row a chunk: 70 bf16 products summed into the weight gradient
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got_loss, got_grads, out = step(model, batch)
     assert not out.logits.materialized and out.logits.dtype == torch.bfloat16
+    assert torch.equal(out.logits, amp_out.logits)  # read after autocast ended: still autocast's values
     assert_close_relative(got_loss, amp_loss, 2e-2)
     for key, want in amp_grads.items():
         assert_close_relative(got_grads[key], want, 5e-2)
@@ -405,3 +406,47 @@ def test_an_oom_at_any_allocation_of_the_chunked_loss_leaves_nothing_behind() ->
     assert_close_relative(got_loss, want_loss, 1e-5)
     for key, want in want_grads.items():
         assert_close_relative(got_grads[key], want, 1e-5)
+
+
+def test_saved_tensor_hooks_around_the_forward_never_see_a_chunks_logits() -> None:
+    # The activation offload rung packs what a forward saves; each chunk's softmax is freed with its chunk and
+    # must not travel to the host and back.
+    model = llama(bias=True)
+    chunked(model)
+    packed: list[tuple[int, ...]] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = model(**ragged())
+    out.loss.backward()
+    assert not out.logits.materialized and packed  # the layers' saved tensors went through the hooks
+    assert not [shape for shape in packed if len(shape) == 2 and shape[-1] == VOCAB], packed
+
+
+def test_a_deep_copy_of_a_patched_model_computes_with_its_own_weights() -> None:
+    import copy
+
+    model = qwen2()
+    batch = ragged()
+    chunked(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(0.5)  # tied: the embeddings too
+    reference = qwen2()
+    with torch.no_grad():
+        reference.lm_head.weight.mul_(0.5)
+    got, want = twin(**batch), reference(**batch)
+    assert not got.logits.materialized
+    assert_close_relative(got.loss, want.loss, 1e-5)
+
+
+def test_generation_with_the_rung_on_gives_the_same_tokens() -> None:
+    model = llama()
+    prompt = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+    options = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    want = model.generate(prompt, **options)
+    chunked(model)
+    assert torch.equal(model.generate(prompt, **options), want)

@@ -134,7 +134,9 @@ def _chunk(
     ``cross_entropy`` with ``ignore_index``, summed."""
     logits = functional.linear(xc, w, b)
     wanted = any(spec.needs)
-    with torch.enable_grad():  # a local graph from the chunk's logits to its loss, freed with the chunk
+    # A local graph from the chunk's logits to its loss, freed with the chunk; its saved tensors stay where they are
+    # (the activation offload rung's hooks would copy every chunk's softmax to the host and back).
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
         leaf = logits.requires_grad_(wanted)  # ``logits`` was made with grad off: a leaf of this local graph
         out = leaf
         for step in spec.steps:
@@ -144,6 +146,13 @@ def _chunk(
             return loss.detach(), None
         (grad,) = torch.autograd.grad(loss, leaf)
     return loss.detach(), grad
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    """A saved tensor, kept where it is. Detached: a saved output handed back as itself would hold its own
+    grad_fn, a cycle through autograd's C++ graph that the garbage collector cannot see, and a chunk that runs
+    out of memory before its gradient is taken would then never be freed (as in the guard's own hooks)."""
+    return tensor.detach() if tensor.grad_fn is not None else tensor
 
 
 def _accumulate(into: torch.Tensor, grad_logits_t: torch.Tensor, xc: torch.Tensor) -> None:

@@ -28,8 +28,6 @@ from oomguard._errors import GuardConfigError
 
 __all__ = ["ChunkedLoss", "causal_lm"]
 
-_MARK = "__oomguard_chunked_loss__"  # set on the functions this module installs: how it knows its own patches
-
 
 def _for_causal_lm_loss() -> Any:
     """transformers' own causal-LM loss (None without transformers): the only loss this rung reproduces."""
@@ -62,7 +60,7 @@ def _head_refusal(head: Any) -> str | None:
     if type(head) is not torch.nn.Linear:  # a LoRA layer, a bitsandbytes/quantized Linear, an FSDP wrapper...
         return f"its lm_head is a {type(head).__name__}, not a plain nn.Linear (an adapter or quantized layer?)"
     if "forward" in vars(head):
-        patched = getattr(head.forward, _MARK, False)
+        patched = isinstance(vars(head)["forward"], _LazyHead)
         return "the chunked loss is applied already" if patched else "its lm_head's forward is patched by something"
     if head._forward_hooks or head._forward_pre_hooks:  # code that wants to see (or change) the real logits
         return "its lm_head has forward hooks that would see the logits"
@@ -138,8 +136,8 @@ class ChunkedLoss:
         assert target is not None  # applies() found it
         head, original_loss = cast(torch.nn.Linear, target.lm_head), target.loss_function
         self._had_loss = ("_loss_function" in vars(target), vars(target).get("_loss_function"))
-        head.forward = _lazy_head(head)  # type: ignore[method-assign]  # on the instance: found before the class
-        target.loss_function = _chunked_loss(original_loss, self.chunk_bytes)
+        cast(Any, head).forward = _LazyHead(head)  # on the instance: nn.Module.__call__ finds it before the class's
+        cast(Any, target).loss_function = _ChunkedLossFunction(original_loss, self.chunk_bytes)  # (its setter)
         self._patched = target
 
     def undo(self, model: torch.nn.Module | None = None) -> None:
@@ -158,25 +156,33 @@ class ChunkedLoss:
         self._patched, self._had_loss = None, (False, None)
 
 
-def _lazy_head(head: torch.nn.Linear) -> Any:
-    """The head's forward under the rung: a promise of the logits, or the real head where autocast and the
-    operands' dtypes leave nothing exact to promise."""
-    original = head.forward
+class _LazyHead:
+    """The head's forward under the rung (set on the head instance): a promise of the logits, or the real head
+    where autocast and the operands' dtypes leave nothing exact to promise.
 
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        dtype = compute_dtype(hidden, head.weight)
+    An object, not a closure, so that ``copy.deepcopy`` of the model gives the copy a forward over the copy's head
+    (a closure would keep computing with the original's weights) and ``torch.save(model)`` can pickle it."""
+
+    def __init__(self, head: torch.nn.Linear) -> None:
+        self.head = head
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.head
+        dtype = compute_dtype(hidden, head.weight)  # read now: the planner swaps fakes in for the parameters
         if dtype is None or hidden.dim() < 2:
-            return original(hidden)
+            return torch.nn.Linear.forward(head, hidden)
         return LazyLogits(HeadCall(hidden, head.weight, head.bias, dtype))
 
-    setattr(forward, _MARK, True)
-    return forward
 
+class _ChunkedLossFunction:
+    """The model's ``loss_function`` under the rung: ``original`` (transformers' ``ForCausalLMLoss``), computed in
+    chunks from lazy logits; ``original`` itself on real ones. An object, for ``deepcopy`` and pickling."""
 
-def _chunked_loss(original: Any, chunk_bytes: int | None) -> Any:
-    """A ``loss_function`` computing ``original`` (transformers' ``ForCausalLMLoss``) from lazy logits."""
+    def __init__(self, original: Any, chunk_bytes: int | None) -> None:
+        self.original, self.chunk_bytes = original, chunk_bytes
 
-    def loss_function(
+    def __call__(
+        self,
         logits: torch.Tensor,
         labels: torch.Tensor,
         vocab_size: int,
@@ -185,22 +191,16 @@ def _chunked_loss(original: Any, chunk_bytes: int | None) -> Any:
         shift_labels: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        def the_original() -> torch.Tensor:
-            result: torch.Tensor = original(
-                logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
-            )
-            return result
-
         if not isinstance(logits, LazyLogits) or logits.materialized or logits.shape[-1] != vocab_size:
-            return the_original()  # real logits (or a shape the original reports on): its own loss, exactly
+            return self._original(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, kwargs)
         if shift_labels is None:  # as ForCausalLMLoss: tokens < n predict n, the last one predicts nothing
             shift_labels = functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         head = logits.head
         x = head.hidden.reshape(-1, head.hidden.shape[-1])
         target = shift_labels.reshape(-1).to(x.device)
-        if target.shape[0] != x.shape[0]:
-            return the_original()  # labels that do not match the logits: the original raises its own error
-        rows = chunk_rows(x.shape[0], vocab_size, x.nelement() * x.element_size(), chunk_bytes)
+        if target.shape[0] != x.shape[0]:  # labels that do not match the logits: the original raises its own error
+            return self._original(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, kwargs)
+        rows = chunk_rows(x.shape[0], vocab_size, x.nelement() * x.element_size(), self.chunk_bytes)
         spec = ChunkSpec(head.dtype, logits.steps, ignore_index, rows, needs_of(x, head.weight, head.bias))
         total = chunked_cross_entropy(x, head.weight, head.bias, target, spec)
         if num_items_in_batch is None:  # cross_entropy's "mean": over the tokens that count (0/0 is nan, as there)
@@ -209,5 +209,8 @@ def _chunked_loss(original: Any, chunk_bytes: int | None) -> Any:
             num_items_in_batch = num_items_in_batch.to(total.device)
         return total / num_items_in_batch
 
-    setattr(loss_function, _MARK, True)
-    return loss_function
+    def _original(self, *args: Any) -> torch.Tensor:
+        """The original loss on the real logits (``args``: its arguments in order, then its other keywords)."""
+        *positional, kwargs = args
+        result: torch.Tensor = self.original(*positional, **kwargs)
+        return result
