@@ -16,6 +16,7 @@ its logits are real on first use. :meth:`ChunkedLoss.applies` says which models 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, cast
 
@@ -38,11 +39,13 @@ def _for_causal_lm_loss() -> Any:
     return ForCausalLMLoss
 
 
-def _calls_head_then_loss(module: torch.nn.Module) -> bool:
+@functools.lru_cache(maxsize=256)
+def _calls_head_then_loss(cls: type) -> bool:
     """Whether the class's forward calls ``self.lm_head(...)`` and then ``self.loss_function(...)``: transformers'
-    ``*ForCausalLM`` shape (145 of its 176 such classes), read from the source, whatever the architecture."""
+    ``*ForCausalLM`` shape (145 of its 176 such classes), read from the source, whatever the architecture (once
+    per class: a model has many modules)."""
     try:
-        source = inspect.getsource(type(module).forward)
+        source = inspect.getsource(cls.forward)
     except (OSError, TypeError):  # built in, or defined where there is no source
         return False
     head, loss = source.find("self.lm_head("), source.find("self.loss_function(")
@@ -52,7 +55,7 @@ def _calls_head_then_loss(module: torch.nn.Module) -> bool:
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module whose head and loss the rung patches: ``model`` or the outermost module inside it (a PEFT
     wrapper's base model) whose forward calls its head and then its loss; None if there is none."""
-    return next((m for m in model.modules() if _calls_head_then_loss(m)), None)
+    return next((m for m in model.modules() if _calls_head_then_loss(type(m))), None)
 
 
 def _head_refusal(head: Any) -> str | None:
