@@ -16,7 +16,6 @@ its logits are real on first use. :meth:`ChunkedLoss.applies` says which models 
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any, cast
 
@@ -39,17 +38,21 @@ def _for_causal_lm_loss() -> Any:
     return ForCausalLMLoss
 
 
-@functools.lru_cache(maxsize=256)
-def _calls_head_then_loss(cls: type) -> bool:
+_SHAPE_OF: dict[type, bool] = {}  # module class -> whether its forward calls its head and then its loss
+
+
+def _calls_head_then_loss(cls: type[torch.nn.Module]) -> bool:
     """Whether the class's forward calls ``self.lm_head(...)`` and then ``self.loss_function(...)``: transformers'
     ``*ForCausalLM`` shape (145 of its 176 such classes), read from the source, whatever the architecture (once
     per class: a model has many modules)."""
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):  # built in, or defined where there is no source
-        return False
-    head, loss = source.find("self.lm_head("), source.find("self.loss_function(")
-    return 0 <= head < loss
+    if cls not in _SHAPE_OF:
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):  # built in, or defined where there is no source
+            source = ""
+        head, loss = source.find("self.lm_head("), source.find("self.loss_function(")
+        _SHAPE_OF[cls] = 0 <= head < loss
+    return _SHAPE_OF[cls]
 
 
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module | None:
