@@ -134,6 +134,21 @@ def test_fp32_loss_and_every_gradient_equal_the_models_own(name: str, items: int
         assert_close_relative(got_grads[key], want, 1e-5)
 
 
+def test_a_batch_with_no_counted_token_gives_the_same_loss_and_no_gradient() -> None:
+    model = llama()
+    batch = ragged()
+    batch["labels"] = torch.full_like(batch["labels"], -100)
+    plain = model(**batch).loss  # the mean over no token: nan, as cross_entropy gives it
+    summed = model(**batch, num_items_in_batch=torch.tensor(7)).loss  # summed and divided: 0
+    chunked(model)
+    got, got_summed = model(**batch), model(**batch, num_items_in_batch=torch.tensor(7))
+    assert not got.logits.materialized
+    assert got.loss.isnan() and plain.isnan()
+    assert got_summed.loss.item() == summed.item() == 0.0
+    got_summed.loss.backward()
+    assert model.lm_head.weight.grad is not None and not model.lm_head.weight.grad.any()
+
+
 def test_shift_labels_given_by_the_caller_are_used_as_they_are() -> None:
     model = qwen2()
     batch = ragged()

@@ -44,7 +44,9 @@ _METADATA: frozenset[Any] = frozenset(
     {_T.size, _T.dim, _T.numel, _T.is_floating_point, _T.is_complex, _T.element_size, _T.get_device, _T.__len__}
     | {getattr(_T, name).__get__ for name in (*_PROPERTIES, "requires_grad", "itemsize", "is_nested")}
 )
-#: Element-wise functions of the logits and constants: recorded, then replayed on each chunk of rows.
+#: Element-wise functions of the logits and constants: recorded, then replayed on each chunk of rows. None is on
+#: autocast's cast lists (unlike ``exp`` or ``log_softmax``), so replayed with autocast off they give what they
+#: gave under it.
 _ELEMENTWISE: frozenset[Any] = frozenset(
     {_T.__mul__, _T.__rmul__, _T.__truediv__, _T.__rtruediv__, _T.__add__, _T.__radd__, _T.__sub__, _T.__rsub__}
     | {_T.__neg__, _T.mul, _T.div, _T.add, _T.sub, _T.tanh, _T.neg, _T.float, _T.to}
