@@ -59,6 +59,22 @@ def gemma2() -> torch.nn.Module:
     return Gemma2ForCausalLM(Gemma2Config(**_config_kwargs(), head_dim=8, final_logit_softcapping=30.0))
 
 
+def gemma3() -> torch.nn.Module:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(Gemma3TextConfig(**_config_kwargs(), head_dim=8, final_logit_softcapping=30.0))
+
+
+def gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    no_dropout = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # (two forwards must compute the same)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=1, **no_dropout)
+    return GPT2LMHeadModel(config)
+
+
 def cohere() -> torch.nn.Module:
     from transformers import CohereConfig, CohereForCausalLM
 
@@ -112,6 +128,8 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "qwen2-tied": qwen2,
     "llama-bias": lambda: llama(bias=True),
     "gemma2-softcap": gemma2,
+    "gemma3-softcap": gemma3,
+    "gpt2-tied": gpt2,  # its lm_head is an nn.Linear (Conv1D is only inside its blocks)
     "cohere-scale": cohere,
     "granite-scale": granite,
 }
