@@ -347,6 +347,24 @@ def test_a_lora_model_without_an_adapter_on_the_head_is_patched_through_its_wrap
     rung.undo(model)
 
 
+def test_a_model_whose_forward_accelerate_wraps_is_patched_and_exact() -> None:
+    from accelerate.utils import convert_outputs_to_fp32
+
+    model = llama()
+    model.forward = convert_outputs_to_fp32(model.forward)  # what Accelerate's prepare() does under bf16
+    batch = ragged()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_loss, want_grads, want = step(model, batch)
+    chunked(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_loss, got_grads, got = step(model, batch)
+    for key, grad in want_grads.items():
+        assert_close_relative(got_grads[key], grad, 5e-2)
+    assert isinstance(got.logits, LazyLogits) and not got.logits.materialized  # its .float() was recorded
+    assert got.logits.dtype == torch.float32 and torch.equal(got.logits, want.logits)
+    assert_close_relative(got_loss, want_loss, 2e-2)
+
+
 def _peak(model: torch.nn.Module, batch: dict[str, torch.Tensor], steps: int = 2) -> int:
     """The steady (last) step's peak under a simulated GPU: forward, backward and AdamW's step, fp32."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

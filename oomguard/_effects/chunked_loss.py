@@ -61,6 +61,13 @@ def causal_lm(model: torch.nn.Module) -> torch.nn.Module | None:
     return next((m for m in model.modules() if _calls_head_then_loss(type(m))), None)
 
 
+def _is_trl_fused_head(forward: Any) -> bool:
+    """Whether ``forward`` (set on a model instance) is TRL's fused LM head: ``add_fused_lm_head`` sets a method
+    whose function is its ``_fused_forward`` (``functools.wraps`` gives it the model's own name, not its code's)."""
+    code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+    return code is not None and code.co_name == "_fused_forward" and "trl" in code.co_filename
+
+
 def _head_refusal(head: Any) -> str | None:
     """Why the head cannot be read as ``weight`` and ``bias`` (None: it can)."""
     if type(head) is not torch.nn.Linear:  # a LoRA layer, a bitsandbytes/quantized Linear, an FSDP wrapper...
@@ -107,15 +114,17 @@ class ChunkedLoss:
 
         Checked: a transformers causal LM whose forward calls ``self.lm_head`` then ``self.loss_function``;
         the loss is transformers' ``ForCausalLMLoss`` (no custom loss); the head a plain ``nn.Linear`` with plain
-        tensors (no adapter, quantized layer, FSDP shard or hook); the forward not replaced on the instance (TRL's
-        fused LM head, Liger). Not visible here, for the rung to check: label smoothing (the HF Trainer's
+        tensors (no adapter, quantized layer, FSDP shard or hook); no TRL fused LM head (it computes its loss in
+        chunks already; patching under it would be a second, unused patch). Another wrapper of the model's forward
+        (Accelerate's fp32 outputs, say) is fine: whatever it does with the logits either is an element-wise step
+        or gets the real ones. Not visible here, for the rung to check: label smoothing (the HF Trainer's
         ``LabelSmoother`` computes its loss from ``outputs.logits``: exact under the rung, but nothing saved).
         """
         target = causal_lm(model)
         if target is None:
             return "it has no forward that calls self.lm_head(...) and then self.loss_function(...)"
-        if "forward" in vars(target):  # TRL's add_fused_lm_head (it chunks already), Liger, accelerate hooks
-            return f"its forward is replaced on the instance ({getattr(target.forward, '__qualname__', '?')})"
+        if _is_trl_fused_head(vars(target).get("forward")):
+            return "it carries TRL's fused LM head (trl add_fused_lm_head), which computes its loss in chunks already"
         reason = _head_refusal(getattr(target, "lm_head", None))
         if reason is not None:
             return reason
