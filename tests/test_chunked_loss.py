@@ -267,6 +267,22 @@ def test_undo_gives_back_a_loss_function_the_user_had_set() -> None:
     assert vars(model)["_loss_function"] is ForCausalLMLoss
 
 
+def test_undo_leaves_what_was_replaced_since_as_it_is() -> None:
+    model = llama()
+    rung = chunked(model)
+    new_head = torch.nn.Linear(32, VOCAB, bias=False)
+    model.lm_head = new_head  # a new module: the patched one is gone with the old head
+
+    def user_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+        result: torch.Tensor = ForCausalLMLoss(*args, **kwargs)
+        return result
+
+    model.loss_function = user_loss
+    rung.undo(model)
+    assert model.loss_function is user_loss and "forward" not in vars(new_head)
+    assert not rung.applied
+
+
 def test_a_second_backward_through_the_same_graph_fails_loudly() -> None:
     model = qwen2()
     chunked(model)

@@ -105,7 +105,8 @@ class ChunkedLoss:
         if chunk_bytes is not None and chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes!r}")
         self.chunk_bytes = chunk_bytes
-        self._patched: torch.nn.Module | None = None
+        self._patched: torch.nn.Module | None = None  # the causal LM patched now
+        self._head: torch.nn.Linear | None = None  # its head, as it was patched
         self._had_loss: tuple[bool, Any] = (False, None)  # whether the instance had set a loss_function, and which
 
     @staticmethod
@@ -153,22 +154,25 @@ class ChunkedLoss:
         self._had_loss = ("_loss_function" in vars(target), vars(target).get("_loss_function"))
         cast(Any, head).forward = _LazyHead(head)  # on the instance: nn.Module.__call__ finds it before the class's
         cast(Any, target).loss_function = _ChunkedLossFunction(original_loss, self.chunk_bytes)  # (its setter)
-        self._patched = target
+        self._patched, self._head = target, head
 
     def undo(self, model: torch.nn.Module | None = None) -> None:
-        """Put the model back exactly as it was (nothing if nothing is applied)."""
-        target = self._patched
-        if target is None:
+        """Put the model back exactly as it was (nothing if nothing is applied). A patch something replaced since
+        (a new ``lm_head`` module, a loss the user set) is left as that made it: only this object's own go."""
+        target, head = self._patched, self._head
+        if target is None or head is None:
             return
         if model is not None and causal_lm(model) is not target:
-            raise ValueError("undo() was given another model than the one this ChunkedLoss was applied to")
-        del cast(torch.nn.Linear, target.lm_head).forward  # the class's forward again
-        had, value = self._had_loss
-        if had:
-            target.loss_function = value
-        else:
-            del target._loss_function  # the property's lookup by loss_type again
-        self._patched, self._had_loss = None, (False, None)
+            raise GuardConfigError("undo() was given another model than the one this ChunkedLoss was applied to")
+        if isinstance(vars(head).get("forward"), _LazyHead):
+            del cast(Any, head).forward  # the class's forward again
+        if isinstance(vars(target).get("_loss_function"), _ChunkedLossFunction):
+            had, value = self._had_loss
+            if had:
+                cast(Any, target).loss_function = value
+            else:
+                del cast(Any, target)._loss_function  # the property's lookup by loss_type again
+        self._patched, self._head, self._had_loss = None, None, (False, None)
 
 
 class _LazyHead:
