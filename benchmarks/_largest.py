@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import oomguard
-from oomguard._planner.presets import PRESETS, load_config
+from oomguard.planner import PRESETS, load_config
 
 __all__ = ["FAMILY", "QUICK_FAMILY", "largest_models"]
 

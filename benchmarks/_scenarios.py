@@ -16,10 +16,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import Plan
-from oomguard._backends.units import format_bytes
-from oomguard._cli.data import stdlib_text, text_batches
-from oomguard._cli.demo import DemoConfig, build_model
-from oomguard._planner.engine import dry_run
+from oomguard.planner import dry_run
+from oomguard.testing import DemoConfig, demo_model, format_bytes, stdlib_text, text_batches
 
 __all__ = ["LR", "Batch", "Scenario", "ScenarioSpec", "build_scenario", "specs"]
 
@@ -117,7 +115,7 @@ def _batches(spec: ScenarioSpec) -> list[Batch]:
 
 def build_scenario(spec: ScenarioSpec) -> Scenario:
     """Build the model and data of ``spec`` and calibrate its budget."""
-    template = build_model(model_config(spec))
+    template = demo_model(model_config(spec))
     eval_batch = next(text_batches(_text(), _EVAL_SAMPLES, spec.seq_len, seed=99))
     capacity, peaks, rule = _CALIBRATIONS[spec.key](spec, template)
     return Scenario(spec, template, _batches(spec), eval_batch, capacity, peaks, rule)
@@ -126,7 +124,7 @@ def build_scenario(spec: ScenarioSpec) -> Scenario:
 def planned_peaks(spec: ScenarioSpec, samples: int, seq_len: int, plans: list[Plan]) -> list[int]:
     """Tensor peaks of one training step per plan, from the planner's dry run on fake tensors."""
     with FakeTensorMode():
-        model = build_model(model_config(spec))
+        model = demo_model(model_config(spec))
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         ids = torch.zeros((samples, seq_len), dtype=torch.long)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}

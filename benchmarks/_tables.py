@@ -7,7 +7,7 @@ from typing import Any
 import ladder
 import quantization
 
-from oomguard._backends.units import format_bytes
+from oomguard.testing import format_bytes
 
 __all__ = ["RESULT_COLUMNS", "markdown", "results_table"]
 

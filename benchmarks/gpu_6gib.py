@@ -39,10 +39,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import oomguard
 from oomguard import OOMGuard, Plan
-from oomguard._backends.units import format_bytes, parse_bytes
-from oomguard._cli.data import stdlib_text, text_batches
-from oomguard._planner.engine import dry_run
-from oomguard._planner.presets import load_config
+from oomguard.planner import dry_run, load_config
+from oomguard.testing import format_bytes, parse_bytes, stdlib_text, text_batches
 
 MODEL = "tinyllama-1.1b"
 #: The anchor the issue names: weights on the device in bf16, the optimizer (and fp32 masters) on the host.

@@ -26,12 +26,8 @@ from typing import Any
 import torch
 
 from oomguard import OOMGuard, Plan, TunedEvent
-from oomguard._backends.units import format_bytes, parse_bytes
-from oomguard._cli.data import stdlib_text, text_batches
-from oomguard._cli.demo import DemoConfig, build_model
-from oomguard._planner.fakes import preplan
-from oomguard._planner.speed import measure_speed
-from oomguard.testing import SimulatedGPU
+from oomguard.planner import measure_speed, preplan
+from oomguard.testing import DemoConfig, SimulatedGPU, demo_model, format_bytes, parse_bytes, stdlib_text, text_batches
 
 CONFIG = DemoConfig(batch_size=8, seq_len=256, hidden_size=128, layers=4)
 PLANS: list[tuple[str, Plan]] = [
@@ -76,7 +72,7 @@ def measure_plans(plans: list[tuple[str, Plan]], rounds: int) -> list[dict[str, 
     batches = text_batches(stdlib_text(), CONFIG.batch_size, CONFIG.seq_len, seed=3)
     runs = []
     for name, plan in plans:
-        model = build_model(CONFIG)
+        model = demo_model(CONFIG)
         guard = _guard(model, ladder=[])
         guard.plan = plan
         runs.append(_Run(name, plan, model, guard))
@@ -113,7 +109,7 @@ def measure_plans(plans: list[tuple[str, Plan]], rounds: int) -> list[dict[str, 
 def _predicted(plans: list[Plan]) -> dict[Plan, float]:
     """Each plan's step time by the planner's device model, this machine's speed measured."""
     batch = next(text_batches(stdlib_text(), CONFIG.batch_size, CONFIG.seq_len, seed=3))
-    model = build_model(CONFIG)
+    model = demo_model(CONFIG)
     guard = _guard(model)
     with SimulatedGPU("4GiB") as gpu:
         gpu.adopt(model)
@@ -128,7 +124,7 @@ def fitting_plans(budget: int) -> list[tuple[str, Plan]]:
     """Every configuration of micro-batch size x precision x checkpointing x activation offload that fits
     ``budget``, each at its largest fitting micro-batch, as the planner's exact search finds them."""
     batch = next(text_batches(stdlib_text(), CONFIG.batch_size, CONFIG.seq_len, seed=3))
-    model = build_model(CONFIG)
+    model = demo_model(CONFIG)
     guard = _guard(model)
     with SimulatedGPU(budget) as gpu:
         gpu.adopt(model)
@@ -150,7 +146,7 @@ def settle(budget: int, steps: int) -> dict[str, Any]:
     """Run the guard with its default ladder and options under ``budget`` for ``steps`` steps; report the plan
     it runs on at the end, the OOMs it took, and what its tuning timed."""
     batches = text_batches(stdlib_text(), CONFIG.batch_size, CONFIG.seq_len, seed=4)
-    model = build_model(CONFIG)
+    model = demo_model(CONFIG)
     guard = _guard(model)
     ooms, first_step_ooms = 0, None
     with SimulatedGPU(budget) as gpu:

@@ -24,8 +24,7 @@ from typing import Any
 import torch
 
 from oomguard import oom_guard
-from oomguard._cli.data import stdlib_text, text_batches
-from oomguard._cli.demo import DemoConfig, build_model
+from oomguard.testing import DemoConfig, demo_model, stdlib_text, text_batches
 
 
 def _hand_written(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> Callable[[Any], float]:
@@ -49,7 +48,7 @@ def _guarded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
 
 
 def measure(rounds: int, steps: int, config: DemoConfig) -> dict[str, Any]:
-    base = build_model(config)
+    base = demo_model(config)
     hand_model, guard_model = copy.deepcopy(base), copy.deepcopy(base)
     hand = _hand_written(*_with_optimizer(hand_model))
     guard = _guarded(*_with_optimizer(guard_model))

@@ -21,9 +21,7 @@ from typing import Any
 import torch
 
 from oomguard import OOMGuard
-from oomguard._cli.data import stdlib_text, text_batches
-from oomguard._cli.demo import DemoConfig, build_model
-from oomguard.testing import SimulatedGPU
+from oomguard.testing import DemoConfig, SimulatedGPU, demo_model, stdlib_text, text_batches
 
 CONFIG = DemoConfig(batch_size=32, seq_len=64, hidden_size=64, layers=2)
 BUDGET = "12MiB"
@@ -36,7 +34,7 @@ def job(predictive: bool, steps: int) -> dict[str, Any]:
     text = stdlib_text()
     short = text_batches(text, CONFIG.batch_size, CONFIG.seq_len, seed=5)
     long = text_batches(text, CONFIG.batch_size, LONG_FACTOR * CONFIG.seq_len, seed=6)
-    model = build_model(DemoConfig(**{**CONFIG.__dict__, "seq_len": LONG_FACTOR * CONFIG.seq_len}))
+    model = demo_model(DemoConfig(**{**CONFIG.__dict__, "seq_len": LONG_FACTOR * CONFIG.seq_len}))
     guard = OOMGuard(
         lambda batch: model(**batch),
         model=model,

@@ -26,24 +26,21 @@ import torch
 from ladder import CONFIG
 
 from oomguard import OOMGuard, Plan
-from oomguard._backends.units import format_bytes
-from oomguard._cli.data import stdlib_text, text_batches
-from oomguard._cli.demo import build_model
-from oomguard.testing import SimulatedGPU
+from oomguard.testing import SimulatedGPU, demo_model, format_bytes, stdlib_text, text_batches
 
 Job = Callable[[], torch.nn.Module]
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def full_model() -> torch.nn.Module:
-    return build_model(CONFIG)
+    return demo_model(CONFIG)
 
 
 def lora_model() -> torch.nn.Module:
     import peft
 
     config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=PROJECTIONS, lora_dropout=0.0, task_type="CAUSAL_LM")
-    model: torch.nn.Module = peft.get_peft_model(build_model(CONFIG), config)
+    model: torch.nn.Module = peft.get_peft_model(demo_model(CONFIG), config)
     return model
 
 

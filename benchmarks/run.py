@@ -37,8 +37,7 @@ from _scenarios import Scenario, build_scenario, specs
 from _tables import markdown
 from overhead import measure
 
-from oomguard._backends.units import parse_bytes
-from oomguard._cli.demo import DemoConfig
+from oomguard.testing import DemoConfig, parse_bytes
 
 HERE = Path(__file__).resolve().parent
 
@@ -156,12 +155,24 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+#: Where RESULTS.md's hand-kept section begins: figures measured by other scripts (the planner, the tests, the demo),
+#: which a run of this one keeps as they are.
+HAND_KEPT = "\n## Measured elsewhere"
+
+
+def _write_results(path: Path, rendered: str) -> None:
+    """``rendered`` to ``path``, followed by the hand-kept section of the file there now, if it has one."""
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    kept = old.find(HAND_KEPT)
+    path.write_text(rendered.rstrip("\n") + "\n" + old[kept:] if kept >= 0 else rendered, encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     json_path, markdown_path = _paths(args)
     markdown_path.parent.mkdir(parents=True, exist_ok=True)
     if args.render is not None:
-        markdown_path.write_text(markdown(json.loads(args.render.read_text())))
+        _write_results(markdown_path, markdown(json.loads(args.render.read_text())))
         return 0
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -171,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(results, indent=2) + "\n")
-    markdown_path.write_text(markdown(results))
+    _write_results(markdown_path, markdown(results))
     print(f"wrote {json_path} and {markdown_path} ({results['meta']['seconds']:.0f} s)")
     return 0
 

@@ -14,9 +14,8 @@ import logging
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from oomguard._cli.data import stdlib_text
 from oomguard.integrations.transformers import OOMGuardTrainer
-from oomguard.testing import SimulatedGPU
+from oomguard.testing import SimulatedGPU, stdlib_text
 
 
 class Windows(torch.utils.data.Dataset):  # type: ignore[type-arg]

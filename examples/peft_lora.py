@@ -19,8 +19,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oomguard import oom_guard
-from oomguard._cli.data import stdlib_text, text_batches
-from oomguard.testing import SimulatedGPU
+from oomguard.testing import SimulatedGPU, stdlib_text, text_batches
 
 
 def lora_model(device: torch.device) -> Any:

@@ -15,8 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oomguard import oom_guard
-from oomguard._cli.data import stdlib_text, text_batches
-from oomguard.testing import SimulatedGPU
+from oomguard.testing import SimulatedGPU, stdlib_text, text_batches
 
 
 def main(steps: int = 20) -> float:

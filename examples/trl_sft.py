@@ -21,9 +21,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
-from oomguard._cli.data import stdlib_text
 from oomguard.integrations.transformers import OOMGuardTrainer
-from oomguard.testing import SimulatedGPU
+from oomguard.testing import SimulatedGPU, stdlib_text
 
 
 class GuardedSFT(OOMGuardTrainer, SFTTrainer):  # type: ignore[misc]

@@ -16,6 +16,7 @@ held and retries the same batch one rung down a ladder of fallbacks, starting wi
 from oomguard._backends.memory import MemorySnapshot
 from oomguard._decorator import GuardedStep, oom_guard
 from oomguard._detect import is_fatal_device_error, is_oom
+from oomguard._effects.base import Effect, EffectTarget, Packer
 from oomguard._errors import (
     BatchSplitError,
     GuardConfigError,
@@ -42,7 +43,10 @@ from oomguard._events import (
 from oomguard._guard.guard import OOMGuard
 from oomguard._guard.results import GuardSummary, StepResult
 from oomguard._ladder.plan import Plan
-from oomguard._ladder.rungs import (
+from oomguard._ladder.rungs import Rung, RungContext
+from oomguard._planner.api import plan
+from oomguard._planner.report import Candidate, PlanReport
+from oomguard._rungs import (
     ActivationOffload,
     Amp,
     Checkpointing,
@@ -51,11 +55,7 @@ from oomguard._ladder.rungs import (
     OptimizerOffload,
     QuantizedOptimizer,
     QuantizedWeights,
-    Rung,
-    RungContext,
 )
-from oomguard._planner.api import plan
-from oomguard._planner.report import Candidate, PlanReport
 from oomguard._step.batch import batch_size, split_batch
 
 __version__ = "0.1.0"
@@ -66,6 +66,8 @@ __all__ = [
     "BatchSplitError",
     "Candidate",
     "Checkpointing",
+    "Effect",
+    "EffectTarget",
     "Event",
     "ExhaustedEvent",
     "FailureSummary",
@@ -84,6 +86,7 @@ __all__ = [
     "OOMGuard",
     "OOMGuardError",
     "OptimizerOffload",
+    "Packer",
     "Plan",
     "PlanReport",
     "ProgressEvent",

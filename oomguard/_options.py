@@ -12,22 +12,17 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
-from oomguard._backends.memory import bf16_supported
 from oomguard._distributed.agreement import ddp_of, unwrap
 from oomguard._effects.base import EffectTarget
 from oomguard._effects.blocks import find_blocks
-from oomguard._effects.checkpointing import user_checkpointing
 from oomguard._effects.effects import Effects
-from oomguard._effects.optimizer import can_step_on_host
-from oomguard._effects.quantized import can_quantize
 from oomguard._effects.transaction import JournalMode, OptimizerTransaction, Scheduler
-from oomguard._effects.weights import frozen_linears
 from oomguard._errors import GuardConfigError
 from oomguard._events import EventSink
 from oomguard._ladder.ladder import Ladder, resolve_ladder
@@ -190,7 +185,9 @@ def build_runner(
         optimizer=options.optimizer,
         scheduler=options.scheduler,
         transaction=OptimizerTransaction(options.optimizer, options.step_journal),
-        effects=Effects(EffectTarget(core, options.optimizer, find_blocks(core)), options.rungs.rungs),
+        effects=Effects(
+            EffectTarget(core, options.optimizer, find_blocks(core), options.accelerator), options.rungs.rungs
+        ),
         max_grad_norm=options.max_grad_norm,
         item_counter=item_counter or options.count_items or default_item_counter(options.model),
         reduction=options.reduction,
@@ -200,16 +197,17 @@ def build_runner(
 
 
 def model_context(runner: StepRunner) -> RungContext:
-    """What the rungs may assume about the runner's model and device; each call fills in its batch and phase."""
+    """What the rungs may assume about the runner's model and device; each call fills in its batch and phase.
+
+    Each rung of the guard (registered or its own) says what it needs to know (:meth:`Rung.facts`, asked of the
+    effect target); a fact named like a field of :class:`RungContext` fills it, any other goes to its ``facts``.
+    """
     target = runner.effects.target
-    accelerator = runner.accelerator
-    return RungContext(
-        batch_size=0,
-        num_blocks=len(target.blocks),
-        bf16_supported=bf16_supported(next(target.model.parameters()).device),
-        checkpointed=user_checkpointing(target.model),
-        amp_available=accelerator is None or getattr(accelerator, "mixed_precision", "no") == "no",
-        optimizer_offloadable=can_step_on_host(target.optimizer),
-        optimizer_quantizable=can_quantize(target.optimizer),
-        frozen_linears=bool(frozen_linears(target.model)),
-    )
+    facts: dict[str, Any] = {}
+    for rung in runner.effects.rungs:
+        facts.update(rung.facts(target))
+    named = {name: facts.pop(name) for name in list(facts) if name in _CONTEXT_FIELDS}
+    return RungContext(batch_size=0, num_blocks=len(target.blocks), **named, facts=facts)
+
+
+_CONTEXT_FIELDS = frozenset(f.name for f in fields(RungContext)) - {"batch_size", "num_blocks", "facts"}

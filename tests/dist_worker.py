@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import LADDER_WITHOUT_OPTIMIZER_OFFLOAD, make_mlp, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.models import make_mlp
+from helpers.steps import LADDER_WITHOUT_OPTIMIZER_OFFLOAD
 
 from oomguard import OOMGuard
 from oomguard.testing import SimulatedGPU

@@ -12,6 +12,8 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
+pytestmark = pytest.mark.integration  # the benchmarks' smoke tests
+
 
 def _load(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """A script from benchmarks/, imported with its folder on sys.path (it imports its sibling modules)."""

@@ -230,6 +230,7 @@ def test_other_bad_plan_arguments_also_exit_with_status_2(capsys: pytest.Capture
         ),
     ],
 )
+@pytest.mark.subprocess
 def test_the_command_exits_2_with_one_line_on_stderr(fields: dict[str, Any], answer: str, tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**_LLAMA, **fields}))

@@ -3,22 +3,28 @@ the summary, stepping back up, the state file and the agreement of distributed r
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
 import torch
-from conftest import make_mlp, mse_step, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.models import make_mlp
+from helpers.steps import mse_step
 from hypothesis import given
 from hypothesis import strategies as st
 
-from oomguard import MicroBatch, OOMGuard, Plan, Rung
+from oomguard import Effect, EffectTarget, MicroBatch, OOMGuard, Plan, Rung, RungContext
 from oomguard._backends.memory import MemoryBackend
 from oomguard._cli.main import main
-from oomguard._effects.base import Effect, EffectTarget
 from oomguard._ladder.ladder import resolve_ladder
+from oomguard._planner.search import configurations
 from oomguard.testing import SimulatedGPU
 
 APPLIED: list[tuple[str, int]] = []  # what the toy effect saw, in order
@@ -164,7 +170,7 @@ def test_an_effect_that_is_not_an_effect_is_refused_with_the_fix() -> None:
             return lambda target: object()
 
     model = make_mlp()
-    with pytest.raises(ValueError, match=r"must return a subclass of oomguard\._effects\.Effect"):
+    with pytest.raises(ValueError, match=r"must return a subclass of oomguard\.Effect"):
         OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                  ladder=[Broken()])  # fmt: skip
 
@@ -252,3 +258,182 @@ def test_a_plan_field_of_the_wrong_type_is_refused() -> None:
     """Found in review: a state file with ``"activation_offload": "no"`` loaded as a truthy plan."""
     with pytest.raises(ValueError, match="activation_offload must be True or False"):
         Plan.from_dict({"activation_offload": "no"})
+
+
+# -- a built-in rung is one module and one registration line ---------------------------------------------------------
+
+#: The whole of a new built-in rung, as it would sit in ``oomguard/_rungs/pinned_hook.py``: its policy, position,
+#: precondition, phrase, tuning and effect (a forward hook pinned on the model, and unpinned).
+PINNED_HOOK = '''
+"""The pinned_hook rung (a test's): a forward hook pinned on the model while engaged."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from oomguard import Effect, EffectTarget, Plan, Rung, RungContext
+from oomguard._backends.memory import MemoryBackend
+from oomguard._ladder.rungs import Trade
+
+SEEN: list[int] = []  # the batch size of every forward the hook saw
+
+
+class PinnedHookEffect(Effect):
+    def __init__(self, target: EffectTarget) -> None:
+        super().__init__(target)
+        self.handle: Any = None
+
+    def apply(self, plan: Plan, backend: MemoryBackend) -> bool:
+        wanted = plan.level("pinned_hook") > 0
+        if wanted == self.holds:
+            return False
+        self.close() if not wanted else self._pin()
+        return True
+
+    def _pin(self) -> None:
+        self.handle = self.target.model.register_forward_hook(lambda module, args, out: SEEN.append(len(args[0])))
+
+    @property
+    def holds(self) -> bool:
+        return self.handle is not None
+
+    def suspended(self) -> contextlib.AbstractContextManager[None] | None:
+        return self._aside() if self.holds else None
+
+    @contextlib.contextmanager
+    def _aside(self) -> Iterator[None]:
+        self.close()
+        try:
+            yield
+        finally:
+            self._pin()
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+class PinnedHook(Rung):
+    name = "pinned_hook"
+    after: ClassVar[str] = "micro_batch"
+    trade: ClassVar[Trade] = "levels"
+
+    def deeper(self, plan: Plan, context: RungContext) -> Plan | None:
+        return super().deeper(plan, context) if context.fact("hook_free") else None
+
+    def describe(self, plan: Plan, batch_size: int | None) -> str | None:
+        return "forward hook pinned" if plan.level(self.name) else None
+
+    def facts(self, target: EffectTarget) -> Mapping[str, Any]:
+        return {"hook_free": not target.model._forward_hooks}
+
+    def effect(self) -> type[Effect]:
+        return PinnedHookEffect
+'''
+
+
+@pytest.fixture
+def pinned_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The rung's one file, imported, and its one registration call (taken back after the test)."""
+    from oomguard._ladder.rungs import register, unregister
+
+    (tmp_path / "pinned_hook.py").write_text(PINNED_HOOK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("pinned_hook")
+    register(module.PinnedHook)
+    try:
+        yield module
+    finally:
+        unregister("pinned_hook")
+        sys.modules.pop("pinned_hook", None)
+
+
+def test_a_new_built_in_rung_is_one_module_and_one_registration_line(
+    pinned_hook: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 24: with no edit elsewhere, the default ladder places it where it says, the guard escalates to it and
+    its effect pins the hook, events, summary, report and state file name it, stepping back up unpins it, and the
+    planner's search trades it."""
+    assert resolve_ladder(None).names[:3] == ("micro_batch", "pinned_hook", "amp"), "placed after micro_batch"
+    model = make_mlp()
+    log, state = tmp_path / "events.jsonl", tmp_path / "plans.json"
+    guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     log_file=log, state_file=state, relax_after=1, log_every=1, tune_after=None)  # fmt: skip
+    batches = [tuple_batch(n=1, seed=seed) for seed in range(3)]  # one sample: micro-batching has nothing to give
+    with SimulatedGPU("64MiB") as gpu:
+        gpu.adopt(model)
+        gpu.fail_allocation(1)  # the first attempt runs out of memory: the next rung answers
+        first = guard(batches[0])
+        assert (len(model._forward_hooks), pinned_hook.SEEN) == (1, [1]), "the hook is pinned and saw the retry"
+        second = guard(batches[1])
+        relaxed = guard(batches[2])  # after relax_after clean steps: given back
+    assert (first.ooms, first.rungs) == (1, ("pinned_hook",))
+    assert first.plan.describe(1) == "whole batch, forward hook pinned", "its own phrase"
+    given_back = (relaxed.rungs, relaxed.plan.describe(1), len(model._forward_hooks))
+    assert given_back == ((), "whole batch", 0), "given back: unpinned"
+    fallback = next(e for e in guard.events if e.kind == "fallback")
+    assert (fallback.rung, "forward hook pinned" in fallback.description) == ("pinned_hook", True)
+    assert guard.summary().fallbacks == {"pinned_hook": 1}
+    assert main(["report", str(log)]) == 0
+    assert second.rungs == ("pinned_hook",) and pinned_hook.SEEN == [1, 1]
+    assert "| pinned_hook | 1 | 2 |" in capsys.readouterr().out
+    saved = [entry["plan"] for entry in json.loads(state.read_text())["plans"].values()]
+    assert Plan.from_dict({**Plan().to_dict(), "pinned_hook": 1}) == first.plan, "its own key in the state file"
+    assert all("extras" not in plan for plan in saved)
+
+    context = RungContext(batch_size=8, facts={"hook_free": True})
+    assert pinned_hook.PinnedHook().escalate(Plan(), RungContext(batch_size=8)) is None, "precondition unmet"
+    planned = [plan for _, plan in configurations(Plan(), resolve_ladder(None), context)]
+    assert Plan().with_level("pinned_hook", 1) in planned, "tuning's search trades it"
+
+
+def test_the_registry_places_each_rung_after_its_neighbour_and_applies_what_it_ends_in_one_place() -> None:
+    """Issue 24: a rung's default position is a declared neighbour, opt-in keeps it off the default ladder, and what
+    it ends of other rungs is data applied by the ladder's escalation, both ways."""
+    from oomguard import Amp
+    from oomguard._ladder.plan import BUILTIN_RUNGS
+    from oomguard._ladder.rungs import register, unregister
+
+    class Early(Rung):
+        name = "early"
+        after = "micro_batch"
+        ends = MappingProxyType({"amp": 0})  # (engaged, it takes mixed precision away and keeps it away)
+
+    class Late(Rung):
+        name = "late"
+        after = "quantized_weights"
+        opt_in = True
+
+    class Orphan(Rung):
+        name = "orphan"
+        after = "nowhere"
+
+    register(Late)
+    register(Early)
+    try:
+        assert (BUILTIN_RUNGS[:3], BUILTIN_RUNGS[-1]) == (("micro_batch", "early", "amp"), "late")
+        assert (
+            resolve_ladder(None).names[:3] == ("micro_batch", "early", "amp")
+            and "late" not in resolve_ladder(None).names
+        )
+        context, early = RungContext(batch_size=8), Plan().with_level("early", 1)
+        assert Amp().escalate(early, context) is None, "amp is ended while early is engaged"
+        assert Early().escalate(Plan(precision="bf16"), context) == early, "engaging early ends amp"
+        assert (early.describe(8), early.to_dict()["early"], Plan.from_dict(early.to_dict())) == (
+            "whole batch, early",
+            1,
+            early,
+        )
+        with pytest.raises(ValueError, match="registered already"):
+            register(Early)
+        with pytest.raises(ValueError, match="'nowhere', which is not registered"):
+            register(Orphan)
+    finally:
+        unregister("early")
+        unregister("late")
+    assert "early" not in BUILTIN_RUNGS and resolve_ladder(None).names[1] == "amp"

@@ -13,6 +13,8 @@ import pytest
 from oomguard._cli.demo import run
 from oomguard._cli.main import _parser, main
 
+pytestmark = pytest.mark.integration  # the demo end to end, and the CLI
+
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
@@ -74,6 +76,7 @@ def test_report_summarises_the_demo_log_and_draws_it(
         assert sum(1 for count in pixels.histogram() if count) > 20, "lines, labels and axes make many shades"
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("args", "expected"), [(["--help"], "report"), (["demo", "--help"], "--state-file")])
 def test_cli_entry_points_answer_help(args: list[str], expected: str) -> None:
     done = subprocess.run([sys.executable, "-m", "oomguard", *args], capture_output=True, text=True, timeout=120)

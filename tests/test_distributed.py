@@ -7,52 +7,20 @@ fails rather than wait. See tests/dist_worker.py for what each rank does.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import make_mlp, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.launch import WORLD, launch
+from helpers.models import make_mlp
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
-WORLD = 2
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def launch(out: Path, mode: str, timeout: float) -> tuple[list[int | None], bool]:
-    """Run both ranks; (their exit codes, whether they had to be killed). Nothing is left running."""
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), str(WORLD), str(port), str(out), mode],
-            stdout=(out / f"rank{rank}.log").open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, so a hung rank and its children die together
-            env=env,
-        )
-        for rank in range(WORLD)
-    ]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(rank.poll() is None for rank in ranks):
-        time.sleep(0.2)
-    hung = any(rank.poll() is None for rank in ranks)
-    for rank in ranks:
-        if rank.poll() is None:
-            os.killpg(rank.pid, signal.SIGKILL)
-        rank.wait(timeout=30)
-    return [rank.returncode for rank in ranks], hung
+pytestmark = [pytest.mark.integration, pytest.mark.subprocess]  # two gloo ranks, each a process
 
 
 def reports(out: Path) -> list[dict[str, Any]]:
@@ -62,7 +30,7 @@ def reports(out: Path) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def agreed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    codes, hung = launch(out, "run", timeout=180)
+    codes, hung = launch(WORKER, out, "run", timeout=180)
     logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD))
     assert not hung, f"a rank hung and was killed:\n{logs}"
     assert codes == [0, 0], logs
@@ -102,7 +70,7 @@ def test_every_rank_quantizes_the_optimizer_state_when_one_rank_runs_out_in_its_
 def assert_every_rank_engaged(out: Path, mode: str, field: str) -> None:
     """The worker in ``mode``: one OOM in rank 1's first optimizer step, and every rank on a plan with ``field``
     set from then on, one optimizer step per call."""
-    codes, hung = launch(out, mode, timeout=180)
+    codes, hung = launch(WORKER, out, mode, timeout=180)
     assert not hung and codes == [0, 0], "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
     rank0, rank1 = reports(out)
     assert rank1["faults_fired"]["optimizer0"] and not any(rank0["faults_fired"].values())
@@ -132,7 +100,7 @@ def test_the_agreement_allocates_no_device_memory(agreed_run: Path) -> None:
 
 
 def test_an_unforeseeable_fault_in_an_unjournaled_step_stops_every_rank_alike(tmp_path: Path) -> None:
-    codes, hung = launch(tmp_path, "fast", timeout=180)
+    codes, hung = launch(WORKER, tmp_path, "fast", timeout=180)
     assert not hung and codes == [0, 0]
     errors = [r["error"] for r in reports(tmp_path)]
     assert errors == [{"step": 3, "type": "StepRollbackError"}] * 2
@@ -140,7 +108,7 @@ def test_an_unforeseeable_fault_in_an_unjournaled_step_stops_every_rank_alike(tm
 
 def test_a_hung_rank_is_killed_not_left_behind(tmp_path: Path) -> None:
     started = time.monotonic()
-    codes, hung = launch(tmp_path, "hang", timeout=15)
+    codes, hung = launch(WORKER, tmp_path, "hang", timeout=15)
     assert hung, "rank 0 waits in a barrier rank 1 never joins"
     assert time.monotonic() - started < 60
     assert codes == [-signal.SIGKILL, -signal.SIGKILL], "both ranks were killed by the harness"

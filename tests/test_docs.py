@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import oomguard
+import oomguard.planner
 import oomguard.testing
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,4 +80,5 @@ def test_every_public_name_is_on_the_api_page() -> None:
     documented = set(re.findall(r"^::: (\S+)", api, re.MULTILINE))
     public = {f"oomguard.{name}" for name in oomguard.__all__}
     public |= {f"oomguard.testing.{name}" for name in oomguard.testing.__all__}
+    public |= {f"oomguard.planner.{name}" for name in oomguard.planner.__all__}
     assert not public - documented, f"public names missing from docs/api.md: {sorted(public - documented)}"

@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_llama, make_mlp, mse_step, tuple_batch
-from test_jump import SCENARIOS, _batches
+from helpers.batches import tuple_batch
+from helpers.models import make_llama, make_mlp
+from helpers.scenarios import SCENARIOS, scenario_batches
+from helpers.steps import mse_step
 from torch._subclasses.fake_tensor import FakeTensor, is_fake
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -146,7 +148,7 @@ def test_after_the_dry_runs_no_fake_tensor_is_alive_and_the_model_is_freed_when_
     optimizer, scheduler = make(plain)
     with SimulatedGPU("4GiB") as gpu:
         gpu.adopt(plain)
-        for batch in _batches()[:2]:
+        for batch in scenario_batches()[:2]:
             forward(plain)(batch).backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -158,9 +160,9 @@ def test_after_the_dry_runs_no_fake_tensor_is_alive_and_the_model_is_freed_when_
     guard = OOMGuard(step, model=model, optimizer=optimizer, scheduler=scheduler, **options)
     with SimulatedGPU(budget) as gpu:
         gpu.adopt(model)
-        results = [guard(batch) for batch in _batches()[:1]]
+        results = [guard(batch) for batch in scenario_batches()[:1]]
         planned = step.fake_calls
-        results += [guard(batch) for batch in _batches() * 2]
+        results += [guard(batch) for batch in scenario_batches() * 2]
     assert planned > 0, "a dry run before or during the first step"
     if how == "preplan":
         assert not any(r.ooms for r in results), "planned before the first step"
@@ -320,7 +322,7 @@ def test_tuning_runs_when_the_settled_plan_checkpoints_or_offloads(
     model"), so a job that settled on checkpointing or an offload rung was never tuned."""
     model = make_llama(layers=4, hidden=64)
     reference = copy.deepcopy(model)
-    batches = _batches() * 2
+    batches = scenario_batches() * 2
     optimizer = torch.optim.AdamW(reference.parameters())
     with SimulatedGPU("4GiB") as gpu:
         gpu.adopt(reference)
@@ -383,12 +385,13 @@ def test_a_non_finite_gradient_norm_commits_nothing_when_clipping() -> None:
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
+@pytest.mark.integration
 def test_a_trainer_planned_before_its_first_step_logs_the_metrics_of_its_real_steps(tmp_path: Path) -> None:
     """Before: with preplan=True, TRL's SFTTrainer logged what compute_loss recorded on the dry run's fake tensors
     (its first entropy 1.85 for 5.54: a placeholder's, and num_tokens 2 too high on every later line). The same
     job restarted from the plan it saved (no dry run at all) logs the same figures."""
     pytest.importorskip("trl")
-    from test_trl import assert_same_metrics, trl_sft
+    from helpers.trl_example import assert_same_metrics, trl_sft
 
     plans = str(tmp_path / "plans.json")
     trainer = trl_sft.build(3, str(tmp_path / "planned"), oomguard={"preplan": True, "state_file": plans})
@@ -407,7 +410,7 @@ def test_a_dry_run_while_master_weights_hold_the_model_plans_the_users_fp32_mode
     user's own model; afterwards the halves are back and training goes on as if no dry run had happened."""
     from oomguard._planner.fakes import preplan
 
-    batches = _batches()
+    batches = scenario_batches()
     models = [make_llama(layers=2, hidden=64) for _ in range(2)]
     fresh = copy.deepcopy(models[0])
     guards = [OOMGuard(model_step(m), model=m, optimizer=torch.optim.AdamW(m.parameters()), ladder=["amp"],

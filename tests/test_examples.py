@@ -16,6 +16,8 @@ import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
+pytestmark = pytest.mark.integration  # the examples, run as a user runs them
+
 
 def _load(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
@@ -68,6 +70,7 @@ def _torchrun(command: list[str]) -> tuple[int, str]:
     return process.returncode, output
 
 
+@pytest.mark.subprocess
 def test_ddp_example_under_torchrun_keeps_the_replicas_identical(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(EXAMPLES / "ddp_torchrun.py"), "--steps", "2"]  # fmt: skip

@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Run first in the child: every optional dependency (and tenacity, no longer one) fails to import, as on a machine
@@ -42,6 +44,7 @@ def test_the_only_hard_requirement_is_torch() -> None:
     assert "transformers" in extras["hf"] and "nvidia-ml-py" in extras["nvml"]
 
 
+@pytest.mark.subprocess
 def test_a_guarded_step_recovers_and_plans_with_torch_alone() -> None:
     done = _run_without_extras(
         """

@@ -3,7 +3,7 @@
 For every rung configuration, a fault is armed with ``SimulatedGPU.fail_allocation`` at one device allocation
 of a step (forward, backward, micro-batch accumulation, clipping, Adam's optimizer step including its lazily
 built first-step state, the scheduler, the fp16 GradScaler), the guard recovers down the default ladder, and
-what the step left behind is compared with fault-free runs (tests/sweep_worker.py, ``problems``): the same
+what the step left behind is compared with fault-free runs (tests/helpers/sweep.py, ``problems``): the same
 weights, optimizer, scheduler and scaler state bit for bit, every sample seen exactly once by the attempt that
 succeeded, one Adam step and one scheduler step, and device memory back to where it belongs.
 
@@ -23,9 +23,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import helpers.sweep
 import pytest
 import torch
-from sweep_worker import (
+from helpers.launch import launch
+from helpers.sweep import (
     DEFAULT_DIST_CONFIGS,
     DIST_CONFIGS,
     FROZEN_LLAMA,
@@ -65,7 +67,7 @@ def _warm_up() -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def _young_garbage_only() -> Iterator[None]:
-    """The guard's gc.collect() on every recovery scans only what the steps make (see sweep_worker)."""
+    """The guard's gc.collect() on every recovery scans only what the steps make (see helpers.sweep)."""
     with young_garbage_only(_warm_up):
         yield
 
@@ -202,7 +204,7 @@ class References:
         return self._outcomes[plan]
 
     def problems(self, outcome: Outcome, plan: Plan, ooms: int) -> list[str]:
-        """What is wrong with ``outcome``, a step on ``plan`` that met ``ooms`` OOMs (see sweep_worker.problems)."""
+        """What is wrong with ``outcome``, a step on ``plan`` that met ``ooms`` OOMs (see helpers.sweep.problems)."""
         ids = [int(i) for i in TINY.ids(self.batch).tolist()]
         same_plan, intended = self[outcome.result.plan], self[plan]
         return problems(outcome, ooms=ooms, same_plan=same_plan, intended=intended, step=0, sample_ids=ids)
@@ -342,13 +344,9 @@ def test_a_failed_forward_held_in_a_reference_cycle_is_freed(
 
 
 def launch_sweep(out: Path, mode: str, timeout: float) -> list[dict[str, Any]]:
-    """Both ranks of tests/sweep_worker.py, through the launcher of tests/test_distributed.py (hard timeout, the
-    whole process group killed if a rank hangs); their reports."""
-    import test_distributed
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(test_distributed, "WORKER", Path(__file__).resolve().parent / "sweep_worker.py")
-        codes, hung = test_distributed.launch(out, mode, timeout)
+    """Both ranks of tests/helpers/sweep.py, through helpers.launch (hard timeout, the whole process group killed
+    if a rank hangs); their reports."""
+    codes, hung = launch(Path(helpers.sweep.__file__), out, mode, timeout)
     logs = "\n".join((out / f"rank{rank}.log").read_text()[-3000:] for rank in range(2))
     assert not hung, f"a rank hung and was killed:\n{logs}"
     assert codes == [0, 0], logs
@@ -384,12 +382,16 @@ def record_distributed(reports: list[dict[str, Any]]) -> None:
             figures.write(f"DDP, faults on rank 1 of 2 | {name} | {len(faults)} injected | {survived} survived\n")
 
 
+@pytest.mark.integration
+@pytest.mark.subprocess
 def test_an_oom_on_one_of_two_ranks_loses_nothing_on_either(tmp_path: Path) -> None:
     reports = launch_sweep(tmp_path, "sampled", timeout=240)
     record_distributed(reports)
     check_distributed(reports, DEFAULT_DIST_CONFIGS)
 
 
+@pytest.mark.integration
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_an_oom_at_every_allocation_on_one_of_two_ranks_loses_nothing_on_either(tmp_path: Path) -> None:
     reports = launch_sweep(tmp_path, "full", timeout=3600)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import make_llama
+from helpers.models import make_llama
 
 from oomguard import is_oom, oom_guard
 

@@ -11,16 +11,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import (
-    LADDER_WITHOUT_OPTIMIZER_OFFLOAD,
-    RecordingSGD,
-    clone_model,
-    first_event,
-    make_mlp,
-    mse_step,
-    same_weights,
-    tuple_batch,
-)
+from helpers.batches import tuple_batch
+from helpers.events import first_event
+from helpers.models import clone_model, make_mlp, same_weights
+from helpers.optimizers import RecordingSGD
+from helpers.steps import LADDER_WITHOUT_OPTIMIZER_OFFLOAD, mse_step
 
 from oomguard import (
     GuardConfigError,

@@ -8,7 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_llama, make_mlp, mse_step, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.hf_trainer import RaggedText, train_plain, training_args
+from helpers.models import make_llama, make_mlp
+from helpers.steps import mse_step
 
 from oomguard import GuardConfigError, Plan, oom_guard
 from oomguard.testing import SimulatedGPU
@@ -16,50 +19,7 @@ from oomguard.testing import SimulatedGPU
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
-
-class RaggedText(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """32 sequences of 24 tokens, the last few of each labelled -100 (ragged padding)."""
-
-    def __init__(self) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(1, 64, (32, 24), generator=generator)
-        self.lengths = torch.randint(6, 25, (32,), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        labels = self.ids[index].clone()
-        labels[int(self.lengths[index]) :] = -100
-        return {"input_ids": self.ids[index], "labels": labels}
-
-
-def training_args(folder: Path, **overrides: Any) -> Any:
-    settings: dict[str, Any] = {
-        "output_dir": str(folder),
-        "per_device_train_batch_size": 16,
-        "max_steps": 4,
-        "use_cpu": True,
-        "report_to": [],
-        "save_strategy": "no",
-        "logging_steps": 1,
-        "seed": 0,
-        "learning_rate": 1e-3,
-        "disable_tqdm": True,
-        "dataloader_num_workers": 0,
-        # Plain (not fused) AdamW: its step allocates temporaries, so an OOM can strike inside it. The fused
-        # kernel the Trainer picks by default allocates nothing once Adam's state exists.
-        "optim": "adamw_torch",
-        **overrides,
-    }
-    return transformers.TrainingArguments(**settings)
-
-
-def train_plain(folder: Path) -> tuple[torch.nn.Module, Any]:
-    model = make_llama(layers=2, hidden=64)
-    trainer = transformers.Trainer(model=model, args=training_args(folder), train_dataset=RaggedText())
-    trainer.train()
-    return model, trainer
+pytestmark = pytest.mark.integration  # the HF Trainer and Accelerate end to end
 
 
 def test_the_trainer_recovers_and_trains_exactly_what_the_plain_trainer_trains(tmp_path: Path) -> None:

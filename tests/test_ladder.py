@@ -8,22 +8,16 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import (
-    LADDER_WITHOUT_OPTIMIZER_OFFLOAD,
-    RecordingSGD,
-    first_event,
-    make_llama,
-    make_mlp,
-    mse_step,
-    tuple_batch,
-)
-from test_planner import lm_batch as planner_batch
-from test_planner import model_step
+from helpers.batches import lm_batch as planner_batch
+from helpers.batches import tuple_batch
+from helpers.events import first_event
+from helpers.models import make_llama, make_mlp
+from helpers.optimizers import RecordingSGD
+from helpers.steps import LADDER_WITHOUT_OPTIMIZER_OFFLOAD, model_step, mse_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from oomguard import LadderExhausted, OOMGuard, Plan, oom_guard
+from oomguard import Amp, LadderExhausted, OOMGuard, Plan, RungContext, oom_guard
 from oomguard._ladder.ladder import resolve_ladder
-from oomguard._ladder.rungs import Amp, RungContext
 from oomguard._planner.engine import dry_run
 from oomguard._planner.search import configurations
 from oomguard.testing import SimulatedGPU
@@ -169,7 +163,8 @@ def test_when_micro_batch_one_does_not_fit_in_fp32_the_guard_goes_deeper(tmp_pat
     assert rungs[:3] == ["micro_batch", "micro_batch", "amp"], "micro-batches halve first (4 -> 2 -> 1), then amp"
     for event in fallbacks:  # the log names each rung with memory at the failure and after recovery
         assert event["memory_at_failure"]["allocated"] > event["memory"]["allocated"]
-    # After a deeper rung engages the batch is tried whole again: the guard settles on the cheapest plan.
+    # After a deeper rung engages the batch is tried whole again: the guard settles on the plan with the largest
+    # micro-batches that fits.
     assert fallbacks[2]["plan"]["micro_batch_size"] is None
 
 

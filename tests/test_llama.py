@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import RecordingSGD, make_llama, ragged_lm_batch
+from helpers.batches import ragged_lm_batch
+from helpers.models import make_llama
+from helpers.optimizers import RecordingSGD
 
 from oomguard import OOMGuard, Plan, oom_guard
 from oomguard.testing import SimulatedGPU

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_llama, make_mlp, mse_step, train_on, tuple_batch
-from sweep_worker import TINY, clone_state, sweep
-from test_planner import lm_batch, model_step
+from helpers.batches import lm_batch, tuple_batch
+from helpers.models import make_llama, make_mlp
+from helpers.steps import model_step, mse_step, train_on
+from helpers.sweep import TINY, clone_state, sweep
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import LayerOffload, OOMGuard, OptimizerOffload, Plan, RungContext

@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_mlp, mse_step, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.models import make_mlp
+from helpers.steps import mse_step
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oomguard import GuardConfigError, LadderExhausted, LossError, OOMGuard, Plan, RecoveryLimitExceeded, oom_guard
@@ -473,7 +475,7 @@ def test_two_signals_held_in_one_step_are_both_delivered_sigterm_first() -> None
 
 @pytest.mark.usefixtures("python_sigint")
 def test_ctrl_c_during_a_dry_run_step_is_not_swallowed() -> None:
-    from conftest import make_llama
+    from helpers.models import make_llama
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from oomguard._planner.engine import dry_run

@@ -7,8 +7,9 @@ import copy
 
 import pytest
 import torch
-from conftest import make_llama, train_unguarded
-from test_planner import lm_batch, model_step
+from helpers.batches import lm_batch
+from helpers.models import make_llama
+from helpers.steps import model_step, train_unguarded
 
 from oomguard import GuardConfigError, OOMGuard, Plan, oom_guard
 from oomguard.testing import SimulatedGPU

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_llama
+from helpers.models import make_llama
 
 peft = pytest.importorskip("peft")
 
@@ -18,6 +18,7 @@ from oomguard._effects.checkpointing import user_checkpointing  # noqa: E402
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "peft_lora.py"
 
 
+@pytest.mark.integration
 def test_the_lora_example_recovers_and_leaves_the_base_weights_alone(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("peft_lora", EXAMPLE)
     assert spec is not None and spec.loader is not None
@@ -52,7 +53,8 @@ def test_checkpointing_of_a_wrapped_model_is_read_without_a_deprecation_warning(
 def test_layer_offload_streams_a_lora_models_frozen_base_layers_through_backward() -> None:
     """A block whose weights are frozen gets no gradient for them, so counting its gradients cannot tell when
     backward is done with it: released early, the base layers' backward read freed storage (a RuntimeError)."""
-    from test_planner import lm_batch, model_step
+    from helpers.batches import lm_batch
+    from helpers.steps import model_step
 
     from oomguard import OOMGuard, Plan
     from oomguard.testing import SimulatedGPU

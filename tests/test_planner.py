@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import VOCAB, make_llama
+from helpers.batches import lm_batch
+from helpers.models import make_llama
+from helpers.steps import model_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import OOMGuard, Plan, oom_guard, plan
@@ -31,15 +33,6 @@ EVERY_RUNG = [
     Plan(offload_layers=1),
     Plan(micro_batch_size=2, precision="bf16", checkpointing="full", activation_offload=True, offload_layers=LAYERS),
 ]
-
-
-def lm_batch(n: int, length: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "labels": ids.clone()}
-
-
-def model_step(model: torch.nn.Module) -> Any:
-    return lambda batch: model(**batch)
 
 
 def measured_peaks(n: int, length: int, hidden: int) -> list[int]:

@@ -6,6 +6,7 @@ import inspect
 import types
 
 import oomguard
+import oomguard.planner
 import oomguard.testing
 
 
@@ -42,3 +43,18 @@ def test_the_decorator_and_the_guard_show_every_option_in_their_signatures() -> 
         assert guard[name] == decorator[name], name
     assert (decorator["max_attempts"].default, decorator["relax_after"].default) == (256, 200)
     assert decorator["model"].default is inspect.Parameter.empty, "model= is required"
+
+
+def test_the_public_modules_beside_the_package_list_and_document_every_name() -> None:
+    """``oomguard.testing`` (the simulator, offline text, the demo's model) and ``oomguard.planner`` (the dry-run
+    planner's parts): what examples and benchmarks import instead of private modules."""
+    for module in (oomguard.testing, oomguard.planner):
+        assert module.__all__ == sorted(module.__all__), f"{module.__name__}.__all__ is not sorted"
+        public = {name for name, value in vars(module).items() if not name.startswith("_")}
+        public -= {name for name, value in vars(module).items() if isinstance(value, types.ModuleType)}
+        assert public == set(module.__all__), f"{module.__name__}: exported names differ from __all__"
+        for name in module.__all__:
+            value = getattr(module, name)
+            if callable(value):  # (a constant such as PRESETS is described in the module's docstring)
+                assert inspect.getdoc(value), f"{module.__name__}.{name} has no docstring"
+    assert {"stdlib_text", "text_batches", "demo_model", "DemoConfig", "format_bytes"} <= set(oomguard.testing.__all__)

@@ -7,8 +7,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_llama, train_on, train_unguarded
-from test_planner import lm_batch, model_step
+from helpers.batches import lm_batch
+from helpers.models import make_llama
+from helpers.steps import model_step, train_on, train_unguarded
 
 from oomguard import GuardConfigError, LadderExhausted, OOMGuard, Plan, QuantizedOptimizer, RungContext
 from oomguard._effects.quantized import Quantized, dequantize, quantize

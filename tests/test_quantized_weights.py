@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import VOCAB, make_llama, train_on
-from test_planner import lm_batch, model_step
+from helpers.batches import lm_batch
+from helpers.models import VOCAB, make_llama
+from helpers.steps import model_step, train_on
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import LayerOffload, OOMGuard, Plan, QuantizedWeights, RungContext

@@ -25,11 +25,14 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CountingGPU, RecordingSGD, make_llama, make_mlp, tuple_batch
+from helpers.batch_trees import assert_rejoins, nested_batches
+from helpers.batches import tuple_batch
+from helpers.devices import CountingGPU
+from helpers.models import make_llama, make_mlp
+from helpers.optimizers import RecordingSGD
+from helpers.sweep import TINY, TinyNet, clone_state, differences, initial_state, run_step, young_garbage_only
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from sweep_worker import TINY, TinyNet, clone_state, differences, initial_state, run_step, young_garbage_only
-from test_batch import assert_rejoins, nested_batches
 
 from oomguard import (
     BatchSplitError,
@@ -46,7 +49,7 @@ from oomguard.testing import SimulatedGPU
 
 @pytest.fixture(scope="module", autouse=True)
 def _young_garbage_only() -> Iterator[None]:
-    """The guard's gc.collect() on every recovery scans only what the tests make (see sweep_worker)."""
+    """The guard's gc.collect() on every recovery scans only what the tests make (see helpers.sweep)."""
     with young_garbage_only(lambda: run_step(initial_state(), TINY.batch(0), Plan(), fault=1)):
         yield
 
@@ -527,6 +530,7 @@ _LIMITED_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status are Linux's")
 def test_a_real_cpu_allocator_oom_under_an_address_space_limit_is_recovered() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}  # few threads, few malloc arenas

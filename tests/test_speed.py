@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_llama
-from test_planner import lm_batch, model_step
+from helpers.batches import lm_batch
+from helpers.models import make_llama
+from helpers.steps import model_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import Plan

@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import VOCAB, make_llama, make_mlp, mse_step, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.models import VOCAB, make_llama, make_mlp
+from helpers.steps import mse_step
 
 from oomguard import GuardConfigError, MicroBatch, OOMGuard, Plan
 from oomguard._backends.memory import MemorySnapshot
@@ -65,10 +67,13 @@ def new_buckets(**kwargs: Any) -> Buckets:
 
 
 def run_bucket(buckets: Buckets, bucket: int, plan: Plan | None = None) -> bool:
-    """One call in ``bucket`` that finishes on ``plan`` (default: the chosen one), as the guard reports it."""
+    """One call in ``bucket`` that finishes on ``plan`` (default: the chosen one), as the guard reports it; whether
+    the bucket's plan changed."""
     with SimulatedGPU(ROOMY) as gpu:
         choice = buckets.choose(bucket, 8, gpu, 1.0)
-    return buckets.succeeded(choice, plan or choice.plan)
+    before = buckets.plans()[bucket]
+    buckets.succeeded(choice, plan or choice.plan)
+    return buckets.plans()[bucket] != before
 
 
 # -- 1. a state file that cannot be written ---------------------------------------------------------------
@@ -208,6 +213,7 @@ print("done", flush=True)
 WRITERS, SAVES = 6, 60
 
 
+@pytest.mark.subprocess
 def test_jobs_sharing_a_state_file_keep_each_others_plans(tmp_path: Path) -> None:
     path = tmp_path / "plans.json"
     command = [sys.executable, "-c", _WRITER, str(path)]

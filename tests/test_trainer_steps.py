@@ -9,16 +9,18 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_llama
+from helpers.hf_trainer import RaggedText, train_plain, training_args
+from helpers.models import make_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_integrations import RaggedText, train_plain, training_args
 
 from oomguard._guard.loop import Loop
 from oomguard.testing import SimulatedGPU
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+
+pytestmark = pytest.mark.integration  # the HF Trainer end to end
 
 from oomguard.integrations.transformers import OOMGuardTrainer  # noqa: E402
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -12,27 +11,13 @@ import torch
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
+from helpers.trl_example import EXAMPLE, assert_same_metrics, logged, trl_sft
+
 from oomguard.testing import SimulatedGPU
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "trl_sft.py"
-spec = importlib.util.spec_from_file_location("trl_sft", EXAMPLE)
-assert spec is not None and spec.loader is not None
-trl_sft = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(trl_sft)
+pytestmark = pytest.mark.integration  # TRL's trainers end to end
 
 ROOMY = "256MiB"  # the whole batch fits (TRL's chunked log-prob buffer included): only injected faults strike
-METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
-
-
-def logged(trainer: Any) -> list[dict[str, float]]:
-    return [{k: entry[k] for k in METRICS} for entry in trainer.state.log_history if "loss" in entry]
-
-
-def assert_same_metrics(trainer: Any, reference: Any) -> None:
-    got, expected = logged(trainer), logged(reference)
-    assert [e["num_tokens"] for e in got] == [e["num_tokens"] for e in expected], "tokens counted once each"
-    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-6), f"step {step}"
 
 
 def test_the_example_trains_recovers_and_counts_tokens_once(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import clone_model, make_llama
+from helpers.models import clone_model, make_llama
 
 from oomguard import OOMGuard, Plan, TunedEvent
 from oomguard._cli.main import main

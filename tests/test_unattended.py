@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_llama, make_mlp, mse_step, tuple_batch
+from helpers.batches import tuple_batch
+from helpers.models import make_llama, make_mlp
+from helpers.steps import mse_step
 
 from oomguard import OOMGuard, Plan, RecoveryLimitExceeded, StepResult
 from oomguard._backends.telemetry import fragmentation, nvml_snapshot
@@ -336,6 +338,7 @@ for line in sys.stdin:
 KILLS = 40
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_kill_during_a_state_write_never_leaves_a_broken_file(tmp_path: Path) -> None:
     state = tmp_path / "plans.json"

@@ -29,13 +29,15 @@ from oomguard._decorator import oom_guard
 from oomguard._extras import require
 from oomguard._guard.results import StepResult
 
-__all__ = ["DemoConfig", "add_arguments", "run"]
+__all__ = ["DemoConfig", "add_arguments", "demo_model", "run"]
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Model and job sizes. The CPU defaults finish in well under a minute on two cores: the batch fits the 3 MiB
-    budget in micro-batches of 1, and the rare long batch only with bf16 and activation checkpointing as well."""
+    """The demo's model and job sizes (:func:`demo_model` reads ``hidden_size``, ``layers``, ``heads``, ``seq_len``
+    and ``seed``; the rest size the job). The CPU defaults finish in well under a minute on two cores: the batch
+    fits the 3 MiB budget in micro-batches of 1, and the rare long batch only with bf16 and activation checkpointing
+    as well."""
 
     steps: int = 24
     batch_size: int = 16
@@ -94,8 +96,14 @@ def _config(args: argparse.Namespace) -> DemoConfig:
     return config
 
 
-def build_model(config: DemoConfig) -> torch.nn.Module:
-    """A Llama-architecture causal LM from a config, with random weights (nothing is downloaded)."""
+def demo_model(config: DemoConfig) -> torch.nn.Module:
+    """The demo's model: a Llama-architecture causal LM of ``config``'s size, with random weights seeded by
+    ``config.seed`` (nothing is downloaded), over byte tokens (a vocabulary of 256, as :func:`stdlib_text` gives).
+
+    >>> model = demo_model(DemoConfig(hidden_size=32, layers=1))
+    >>> type(model).__name__, model.config.vocab_size, sum(p.numel() for p in model.parameters())
+    ('LlamaForCausalLM', 256, 28256)
+    """
     require("transformers", extra="hf", purpose="the demo's Llama model")
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -202,7 +210,7 @@ def _job(
     config: DemoConfig, device: torch.device, args: argparse.Namespace, steps: int, err: TextIO
 ) -> tuple[Any, list[StepResult]]:
     """Build the model (same seed every time), train ``steps`` steps under the budget; the guard and results."""
-    model = build_model(config).to(device)
+    model = demo_model(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
 
@@ -238,7 +246,7 @@ def _train(config: DemoConfig, device: torch.device, args: argparse.Namespace, o
     started = time.perf_counter()
     for stale in (args.log_file, args.state_file):  # each demo starts from scratch
         Path(stale).unlink(missing_ok=True)
-    n_params = sum(p.numel() for p in build_model(config).parameters())
+    n_params = sum(p.numel() for p in demo_model(config).parameters())
     out.write(
         f"oomguard demo: Llama with {n_params / 1e6:.2f}M parameters, batches of {config.batch_size} x "
         f"{config.seq_len} tokens of the standard library's source (every {args.long_every}th batch "

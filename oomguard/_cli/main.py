@@ -35,11 +35,17 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("log", help="the event log written with log_file=")
     report.add_argument("--plot", metavar="FILE.png", help="also draw memory over steps to this PNG")
     report.set_defaults(run=_run_report)
+    _add_plan(commands)
+    return parser
+
+
+def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``oomguard plan`` and its options."""
     plan = commands.add_parser(
         "plan",
         help="will this model train on a GPU of this size, and with which fallbacks? (a dry run, no GPU needed)",
         description="Run one training step of a causal LM on fake tensors (no weights, no GPU, no memory) for "
-        "each plan along the ladder, and recommend the cheapest plan that fits the GPU.",
+        "each plan along the ladder, and recommend the fastest plan predicted to fit the GPU.",
     )
     plan.add_argument("--model", required=True, help="a preset (" + ", ".join(_presets()) + ") or a config.json")
     plan.add_argument("--gpu-memory", default="6GiB", help="the GPU's total memory, e.g. 6GiB (default: 6GiB)")
@@ -80,7 +86,6 @@ def _parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print the answer as strict JSON (a non-finite number is null)"
     )
     plan.set_defaults(run=_run_plan)
-    return parser
 
 
 def _presets() -> list[str]:

@@ -1,6 +1,7 @@
 """What an effect is: one rung's change to torch state, applied from a plan and undone exactly.
 
-A rung (:mod:`oomguard._ladder`) only computes plans; its effect makes the model run the plan. Persistent
+A rung (:mod:`oomguard._ladder`, :mod:`oomguard._rungs`) only computes plans; its effect makes the model run the
+plan. Persistent
 changes (checkpointing, offloaded layers) are made by :meth:`Effect.apply` when the plan changes and stay until
 it changes again or :meth:`Effect.close`; per-forward ones (autocast, saved-tensor hooks) are contexts around
 each micro-batch's forward. :class:`oomguard._effects.effects.Effects` runs every effect of a guard.
@@ -29,6 +30,8 @@ class EffectTarget:
     optimizer: torch.optim.Optimizer
     #: Its repeated blocks (decoder layers): what checkpointing and layer offload work on.
     blocks: list[torch.nn.Module]
+    #: The Accelerate ``Accelerator`` the job runs under, if any (its mixed precision is then not the guard's).
+    accelerator: Any = None
     #: Identities of the device storages of streamed (offloaded) weights, kept by the layer-offload effect:
     #: autocast must not cache copies of them, and activation offload must leave them on the device.
     streamed: set[int] = field(default_factory=set)
@@ -64,8 +67,10 @@ class Packer(Protocol):
 class Effect:
     """One rung's effect. Every method does nothing by default; an effect overrides what it needs.
 
-    Subclass it for a custom rung (see :class:`oomguard.Rung`): the rung's ``effect()`` returns the subclass,
-    which is made with the guard's :class:`EffectTarget`.
+    Subclass it for a rung of your own (see :class:`oomguard.Rung`): the rung's ``effect()`` returns the subclass,
+    which is made with the guard's :class:`EffectTarget`. ``apply`` brings persistent state to a plan (the rung's
+    level is ``plan.level(name)`` for a rung without a plan field) and ``close`` undoes it; per-forward changes go
+    in ``forward`` or ``packer``.
     """
 
     def __init__(self, target: EffectTarget) -> None:

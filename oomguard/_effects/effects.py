@@ -1,9 +1,10 @@
 """Effects: the only place where a plan changes torch state, and where that change is undone.
 
-:class:`Effects` runs the effect of every rung a plan can engage: the built-in ones (autocast, checkpointing,
-layer offload, activation offload) and those of custom rungs. It applies persistent effects when the plan
-changes, wraps each micro-batch's forward in the per-forward ones (with one pair of saved-tensor hooks shared by
-the effects that need them), and undoes everything on :meth:`Effects.close`, so a plan can be relaxed later.
+:class:`Effects` runs the effect of every rung a plan can engage: those of the registered rungs, in the order the
+registry gives (:func:`~oomguard._ladder.rungs.effect_order`), then those of the ladder's own rungs. It
+applies persistent effects when the plan changes, wraps each micro-batch's forward in the per-forward ones (with
+one pair of saved-tensor hooks shared by the effects that need them), and undoes everything on
+:meth:`Effects.close`, so a plan can be relaxed later.
 It also keeps the fp16 loss scale of the last committed step, from which each fp16 attempt starts.
 """
 
@@ -18,18 +19,12 @@ import torch
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._detect import is_oom
-from oomguard._effects.activations import ActivationOffloadEffect
 from oomguard._effects.base import Effect, EffectTarget, Packer
-from oomguard._effects.checkpointing import CheckpointingEffect
 from oomguard._effects.layers import LayerOffloadEffect
-from oomguard._effects.optimizer import OptimizerOffloadEffect
-from oomguard._effects.precision import AutocastEffect
-from oomguard._effects.quantized import QuantizedOptimizerEffect
-from oomguard._effects.weights import QuantizedWeightsEffect
 from oomguard._errors import GuardConfigError
 from oomguard._events import logger
 from oomguard._ladder.plan import Plan
-from oomguard._ladder.rungs import Rung
+from oomguard._ladder.rungs import Rung, builtin, effect_order
 
 __all__ = ["Effects"]
 
@@ -46,23 +41,22 @@ class Effects:
     def __init__(self, target: EffectTarget, rungs: Iterable[Rung] = ()) -> None:
         _refuse_if_held(target.model, self)
         self.target = target
-        self._layers = LayerOffloadEffect(target)
-        # Layer offload before activation offload: its saved-tensor hook must see the copies of streamed weights
-        # before activation offload would move them to the host. Undone in the reverse order.
-        self._effects: list[Effect] = [
-            AutocastEffect(target),
-            CheckpointingEffect(target),
-            self._layers,
-            ActivationOffloadEffect(target),
-            OptimizerOffloadEffect(target),  # after layer offload: it moves back the state of restored layers
-            QuantizedOptimizerEffect(target),
-            QuantizedWeightsEffect(target),
-        ]
-        for rung in rungs:
+        # Every registered rung's effect, whether the ladder lists it or not (a plan assigned by hand or remembered
+        # may engage it), in the registry's order; then the ladder's own rungs'. Undone in the reverse order.
+        own = [rung for rung in rungs if builtin(rung.name) is None]
+        #: The rungs whose effects these are (what the model's context asks, see ``model_context``).
+        self.rungs: tuple[Rung, ...] = (*effect_order(), *own)
+        self._effects: list[Effect] = []
+        for rung in self.rungs:
             make = rung.effect()
             if make is not None:
                 self._effects.append(_made(make, target, rung))
         self._scaler_state: dict[str, Any] | None = None
+
+    @property
+    def offloaded_layers(self) -> int:
+        """How many blocks are offloaded now (what the layer-offload effect streams; 0 without one)."""
+        return sum(effect.offloaded for effect in self._effects if isinstance(effect, LayerOffloadEffect))
 
     # -- persistent effects ---------------------------------------------------------------------------
     def apply(self, plan: Plan, backend: MemoryBackend) -> bool:
@@ -108,11 +102,6 @@ class Effects:
             finally:
                 if held is not None:
                     _HOLDERS[self.target.model] = held
-
-    @property
-    def offloaded_layers(self) -> int:
-        """How many blocks are offloaded now."""
-        return self._layers.offloaded
 
     # -- per-forward effects --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -216,7 +205,7 @@ def _made(make: Any, target: EffectTarget, rung: Rung) -> Effect:
     if not isinstance(effect, Effect):
         raise GuardConfigError(
             f"the effect of rung {rung.name!r} is a {type(effect).__name__}; Rung.effect() must return a subclass "
-            f"of oomguard._effects.Effect (or None for a rung without an effect of its own)"
+            f"of oomguard.Effect (or None for a rung without an effect of its own)"
         )
     return effect
 

@@ -128,8 +128,10 @@ def _row_sums(tensor: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]
     bits = tensor.detach().reshape(-1).view(torch.int16)  # (a contiguous bf16 tensor: a view, no copy)
     size = bits.numel()
     full = size // ROW * ROW
-    sums = [(bits[b : min(full, b + _BLOCK)].view(-1, ROW) * weights).sum(dim=1, dtype=torch.int64)
-            for b in range(0, full, _BLOCK)]  # fmt: skip
+    sums = [
+        (bits[b : min(full, b + _BLOCK)].view(-1, ROW) * weights).sum(dim=1, dtype=torch.int64)
+        for b in range(0, full, _BLOCK)
+    ]
     if full < size:  # the short last row (the whole of a tensor under ROW elements)
         sums.append((bits[full:] * weights[: size - full]).sum(dtype=torch.int64).reshape(1))
     return sums

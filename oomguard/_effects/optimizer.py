@@ -33,7 +33,7 @@ from oomguard._backends.memory import MemoryBackend
 from oomguard._effects.base import Effect, EffectTarget
 from oomguard._effects.masters import MasterWeights
 from oomguard._errors import GuardConfigError
-from oomguard._ladder.plan import Plan
+from oomguard._ladder.plan import Plan, keeps_master_weights
 
 __all__ = ["OptimizerOffloadEffect", "can_step_on_host"]
 
@@ -45,7 +45,7 @@ def can_step_on_host(optimizer: torch.optim.Optimizer) -> bool:
 
 def _master(plan: Plan) -> bool:
     """Whether ``plan`` keeps fp32 master weights on the host (see the module)."""
-    return plan.optimizer_offload == "master" and plan.precision == "bf16" and not plan.offload_layers
+    return plan.optimizer_offload == "master" and keeps_master_weights(plan.precision, plan.offload_layers)
 
 
 class OptimizerOffloadEffect(Effect):

@@ -141,9 +141,15 @@ class QuantizedWeight(torch.Tensor):
     def __new__(cls, store: Store, steps: tuple[_Step, ...] = (), requires_grad: bool = False) -> QuantizedWeight:
         meta = store.meta(steps)
         made: QuantizedWeight = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, meta.shape, strides=meta.stride(), storage_offset=meta.storage_offset(), dtype=meta.dtype,
-            device=store.device, requires_grad=requires_grad, storage_size=0,
-        )  # fmt: skip  # (storage_size 0: code that reaches for its storage, not its values, meets an empty one)
+            cls,
+            meta.shape,
+            strides=meta.stride(),
+            storage_offset=meta.storage_offset(),
+            dtype=meta.dtype,
+            device=store.device,
+            requires_grad=requires_grad,
+            storage_size=0,
+        )  # (storage_size 0: code that reaches for its storage, not its values, meets an empty one)
         made._qstore, made._qsteps = store, steps
         return made
 
@@ -181,9 +187,7 @@ class QuantizedWeight(torch.Tensor):
 
     # -- what user code meets --------------------------------------------------------------------------------
     @classmethod
-    def __torch_function__(
-        cls, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:  # fmt: skip
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _NO_MEMORY:  # (a wrapper's storage is empty: nothing would be exported or shared)
             raise RuntimeError(
@@ -202,7 +206,7 @@ class QuantizedWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: torch._ops.OpOverload, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         kwargs = kwargs or {}
         if torch.Tag.inplace_view in func.tags:  # resize_, set_, t_, as_strided_: a wrapper's shape is fixed
             raise RuntimeError(_refusal(func))
@@ -344,9 +348,7 @@ def _is_cast(tensor: torch.Tensor, kwargs: dict[str, Any]) -> bool:
     return same_place and layout and kwargs.get("memory_format") in (None, torch.preserve_format)
 
 
-def _write(
-    func: torch._ops.OpOverload, args: Any, kwargs: Any, targets: list[QuantizedWeight]
-) -> Any:  # fmt: skip
+def _write(func: torch._ops.OpOverload, args: Any, kwargs: Any, targets: list[QuantizedWeight]) -> Any:
     """Run an op that writes into quantized tensors on dense stand-ins (see :meth:`Store.writable`), then keep
     what it wrote; the op's outputs that are stand-ins are given back as the quantized tensors."""
     roots: dict[int, tuple[Store, torch.Tensor]] = {}

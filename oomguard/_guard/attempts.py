@@ -9,8 +9,6 @@ from typing import Generic, TypeVar
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._distributed.agreement import Agreement
-from oomguard._effects.effects import Effects
-from oomguard._effects.transaction import OptimizerTransaction
 from oomguard._errors import GuardConfigError
 from oomguard._guard.call import Call
 from oomguard._ladder.plan import Phase, Plan
@@ -100,16 +98,13 @@ class Tail(Generic[T]):
             return AttemptFailure(exc, plan, self.phase, 0, None)
 
 
-def undoable(
-    transaction: OptimizerTransaction, backend: MemoryBackend, run: Callable[[], T], effects: Effects
-) -> Callable[[Plan], T]:
-    """``run`` (an optimizer step) through the transaction, undone if it raises, with the effects of the plan it
-    is given (optimizer offload steps on the host). The caller holds signals around it (the recovery loop)."""
+def undoable(runner: StepRunner, backend: MemoryBackend, run: Callable[[], T]) -> Callable[[Plan], T]:
+    """``run`` (an optimizer step someone else drives) as the runner steps (:meth:`StepRunner.optimizer_step`):
+    undone if it raises, with the effects of the plan it is given. The caller holds signals around it (the loop)."""
 
     def step(plan: Plan) -> T:
         result: list[T] = []
-        with effects.optimizer_step(plan, backend):
-            transaction.step(backend, run=lambda: result.append(run()))
+        runner.optimizer_step(plan, backend, run=lambda: result.append(run()))
         return result[0]
 
     return step

@@ -209,7 +209,7 @@ class Buckets:
     def learn_success(self, plan: Plan, items: int, excess: int, backend: MemoryBackend) -> None:
         """A step on ``plan`` with micro-batches of ``items`` peaked ``excess`` bytes above where it began."""
         if self.predictor is not None and backend.tracks_allocations:
-            self.predictor.record_success(plan, items, excess, self.grad_bytes)
+            self.predictor.record_success(plan, items, excess)
 
     def learn_failure(self, plan: Plan, items: int, base: int | None, backend: MemoryBackend) -> None:
         """An attempt on ``plan`` that began with ``base`` bytes in use ran out of memory."""

@@ -181,10 +181,8 @@ class OOMGuard:
         ``replay`` recomputes the batch's gradients on the new plan (through :meth:`accumulate`: a retry of the same
         step, not a new one), and ``run`` runs again: still exactly one step, counted once, recovered."""
         last, backend = self._last, current_backend(self._device)
-        if phase == Phase.OPTIMIZER:
-            part = undoable(self.transaction, backend, run, self.effects)
-        else:
-            part = lambda plan: run()  # noqa: E731
+        # (an optimizer step is made undoable; any other part just runs, on whatever plan)
+        part = undoable(self._runner, backend, run) if phase == Phase.OPTIMIZER else lambda plan: run()
         with self._busy:
             if last is None:  # no guarded call yet: no batch to replay on another plan
                 with self._loop.committing():

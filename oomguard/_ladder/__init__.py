@@ -1,1 +1,2 @@
-"""Policy: plans and the rungs that make them cheaper. Pure values and decisions; no torch state is touched here."""
+"""Policy: plans, the rungs that make them need less memory, and their registry. Pure values and decisions; no
+torch state is touched here."""

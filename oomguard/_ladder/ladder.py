@@ -6,7 +6,8 @@ micro-batches would not help). Rungs accumulate: an engaged rung stays on while 
 
 Micro-batching is the ladder's *sizing* rung: when any other rung engages, the micro-batch size goes back to the
 whole batch, since the memory the rung frees may let larger micro-batches fit again, and halving starts afresh.
-So the plan the guard settles on is the cheapest that fits, not merely the first, and going back up
+So the plan the guard settles on is the one with the largest micro-batches that fits, not merely the first, and
+going back up
 (:meth:`Ladder.relax`) grows the micro-batches first, then gives back the deepest other rung at the smallest
 micro-batch, as the ladder had it before that rung engaged.
 """
@@ -16,33 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from oomguard._errors import GuardConfigError
-from oomguard._ladder.plan import BUILTIN_RUNGS, Plan
-from oomguard._ladder.rungs import (
-    ActivationOffload,
-    Amp,
-    Checkpointing,
-    LayerOffload,
-    MicroBatch,
-    OptimizerOffload,
-    QuantizedOptimizer,
-    QuantizedWeights,
-    Rung,
-    RungContext,
-)
+from oomguard._ladder import registry
+from oomguard._ladder.plan import Plan
+from oomguard._ladder.rungs import Rung, RungContext, Sizing, builtin, registered
 
-__all__ = ["DEFAULT_LADDER", "Ladder", "resolve_ladder"]
-
-_BUILTIN: dict[str, type[Rung]] = {
-    rung.name: type(rung)
-    for rung in (
-        MicroBatch(), Amp(), Checkpointing(), ActivationOffload(), OptimizerOffload(), LayerOffload(),
-        QuantizedOptimizer(), QuantizedWeights(),
-    )
-}  # fmt: skip
-#: The default order, cheapest effect on the training maths first. The quantization rungs are not in it yet:
-#: they change the maths, and where they should stand against the exact offload rungs is to be measured on GPUs.
-QUANTIZATION_RUNGS = ("quantized_optimizer", "quantized_weights")
-DEFAULT_LADDER: tuple[str, ...] = tuple(name for name in BUILTIN_RUNGS if name not in QUANTIZATION_RUNGS)
+__all__ = ["Ladder", "resolve_ladder"]
 
 
 class Ladder:
@@ -56,11 +35,11 @@ class Ladder:
     def __init__(self, rungs: Sequence[Rung]) -> None:
         self.rungs = tuple(rungs)
         names = self.names
-        self.sizing: MicroBatch | None = next((r for r in self.rungs if isinstance(r, MicroBatch)), None)
-        unlisted = [factory() for name, factory in _BUILTIN.items() if name not in names]
+        self.sizing: Sizing | None = next((r for r in self.rungs if isinstance(r, Sizing)), None)
+        unlisted = [type(rung)() for rung in registered() if rung.name not in names]
         # Unlisted rungs can only have been engaged before the ladder's own: they are given back last.
         self.known: tuple[Rung, ...] = (*unlisted, *self.rungs)
-        self._grows = next(r for r in self.known if isinstance(r, MicroBatch))  # listed or not
+        self._grows = next(r for r in self.known if isinstance(r, Sizing))  # listed or not
         self._deeper = tuple(r for r in self.known if r is not self._grows)
 
     @property
@@ -71,16 +50,16 @@ class Ladder:
         """The rung to engage after ``plan`` failed, and the plan it gives; None when the ladder is exhausted."""
         options = []
         for rung in self.rungs:
-            cheaper = rung.escalate(plan, context)
-            if cheaper is not None and cheaper != plan:
-                options.append((rung, cheaper))
+            smaller = rung.escalate(plan, context)  # (a plan that needs less memory)
+            if smaller is not None and smaller != plan:
+                options.append((rung, smaller))
         if not options:
             return None
-        relieving = [(rung, cheaper) for rung, cheaper in options if context.phase in rung.relieves]
-        rung, cheaper = (relieving or options)[0]
+        relieving = [(rung, smaller) for rung, smaller in options if context.phase in rung.relieves]
+        rung, smaller = (relieving or options)[0]
         if self.sizing is not None and rung is not self.sizing:
-            cheaper = cheaper.replace(micro_batch_size=None)  # a deeper rung may let larger micro-batches fit
-        return rung, cheaper
+            smaller = smaller.replace(micro_batch_size=None)  # a deeper rung may let larger micro-batches fit
+        return rung, smaller
 
     def relax(self, plan: Plan, batch_size: int) -> tuple[Rung, Plan] | None:
         """One step back up: the rung given back and the plan tried just before ``plan``; None for a plain plan.
@@ -98,7 +77,8 @@ class Ladder:
         for rung in reversed(self._deeper):
             given = rung.relax(plan, batch_size)
             if given is not None:
-                return rung, given if self.sizing is None else self.sizing.smallest(given, batch_size)
+                smallest = None if self.sizing is None else self.sizing.floor(batch_size)
+                return rung, given if smallest is None else given.replace(micro_batch_size=smallest)
         return None
 
     def beyond(self, plan: Plan, context: RungContext) -> list[str]:
@@ -165,8 +145,8 @@ class _Adopted(Rung):
         self.relieves = getattr(rung, "relieves", self.relieves)
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        cheaper: Plan | None = getattr(self.rung, "escalate")(plan, context)  # noqa: B009
-        return cheaper
+        smaller: Plan | None = getattr(self.rung, "escalate")(plan, context)  # noqa: B009
+        return smaller
 
 
 def resolve_ladder(spec: Iterable[str | Rung] | None) -> Ladder:
@@ -176,19 +156,19 @@ def resolve_ladder(spec: Iterable[str | Rung] | None) -> Ladder:
     ('micro_batch', 'amp', 'checkpointing', 'activation_offload', 'optimizer_offload', 'layer_offload')
     """
     if spec is None:
-        spec = DEFAULT_LADDER
+        spec = registry.default_ladder()
     if isinstance(spec, str):
         raise GuardConfigError(f"ladder= takes a list of rung names, not a string: write ladder=[{spec!r}]")
     rungs: list[Rung] = []
     for item in spec:
         if isinstance(item, str):
-            factory = _BUILTIN.get(item)
-            if factory is None:
+            known = builtin(item)
+            if known is None:
                 raise GuardConfigError(
-                    f"unknown rung {item!r} in ladder=; the rungs are: {', '.join(DEFAULT_LADDER)} "
+                    f"unknown rung {item!r} in ladder=; the rungs are: {', '.join(registry.BUILTIN_RUNGS)} "
                     f"(or pass a rung object: a subclass of oomguard.Rung)"
                 )
-            rungs.append(factory())
+            rungs.append(type(known)())
         elif isinstance(item, Rung):
             rungs.append(item)
         elif isinstance(getattr(item, "name", None), str) and callable(getattr(item, "escalate", None)):
@@ -199,11 +179,11 @@ def resolve_ladder(spec: Iterable[str | Rung] | None) -> Ladder:
                 f"{type(item).__name__}: {item!r}"
             )
     for rung in rungs:
-        builtin = _BUILTIN.get(rung.name)
-        if builtin is not None and not isinstance(rung, builtin):
+        own = builtin(rung.name)
+        if own is not None and not isinstance(rung, type(own)):
             raise GuardConfigError(
-                f"ladder= has a rung named {rung.name!r} that is not oomguard.{builtin.__name__}: that name is the "
-                f"built-in rung's (it owns a field of the plan); give your rung a name of its own"
+                f"ladder= has a rung named {rung.name!r} that is not oomguard.{type(own).__name__}: that name is "
+                f"the built-in rung's (its level is the plan's, by that name); give your rung a name of its own"
             )
     names = [rung.name for rung in rungs]
     duplicates = sorted({name for name in names if names.count(name) > 1})

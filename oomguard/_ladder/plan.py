@@ -1,12 +1,15 @@
 """The plan: a small immutable description of how one training step is run, and the phases of a step.
 
 A plan says how the batch is split and which memory-saving rungs are engaged, and how far. Rungs turn a plan into
-a cheaper one; the effects apply it to the model; nothing else changes it. Being frozen, a plan can be logged,
-compared, used as a dict key and stored on disk as it is.
+one that needs less memory; the effects apply it to the model; nothing else changes it. Being frozen, a plan can
+be logged, compared, used as a dict key and stored on disk as it is.
 
-Each field of a built-in rung says which rung owns it (its ``rung`` metadata) and how to describe it, so that
-:meth:`Plan.rungs` and :meth:`Plan.describe` follow the fields. A rung that is not built in keeps a level of its
-own in ``extras`` (0, absent, when not engaged).
+The rungs the package was first built with each own a field; :meth:`Plan.rungs` and :meth:`Plan.describe` ask
+the registered rungs (:mod:`oomguard._ladder.registry`), in their canonical order, how far down them the plan is
+and how to word it. Any other rung keeps its level in ``extras`` (0, absent, when not engaged): a built-in rung
+registered later (one module and a registration line, without a new field, which would change this public
+constructor) and a user's own. A built-in rung there is still named in ``describe()`` by its own phrase, and
+written in :meth:`Plan.to_dict` as a key of its own, like a field.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
+
+from oomguard._ladder import registry
 
 __all__ = [
     "ACTIVATION_PHASES",
@@ -60,11 +65,6 @@ ACTIVATION_PHASES = frozenset({Phase.SPLIT, Phase.FORWARD, Phase.BACKWARD})
 EVERY_PHASE = frozenset(Phase)
 
 
-def _owned_by(rung: str, phrase: str) -> dict[str, str]:
-    """The metadata of a plan field owned by ``rung``; ``phrase`` describes an engaged value (``{}``: the value)."""
-    return {"rung": rung, "phrase": phrase}
-
-
 @dataclass(frozen=True)
 class Plan:
     """How a training step is run.
@@ -96,24 +96,13 @@ class Plan:
     """
 
     micro_batch_size: int | None = None
-    precision: Precision | None = field(default=None, metadata=_owned_by("amp", "{}"))
-    checkpointing: CheckpointingMode | None = field(
-        default=None, metadata=_owned_by("checkpointing", "{} checkpointing")
-    )
-    activation_offload: bool = field(default=False, metadata=_owned_by("activation_offload", "activations offloaded"))
-    optimizer_offload: bool | Literal["master"] = field(
-        default=False,
-        metadata={
-            **_owned_by("optimizer_offload", "optimizer state offloaded"),
-            "master": "optimizer state and fp32 master weights offloaded (bf16 weights on the device)",
-        },
-    )
-    offload_layers: int = field(default=0, metadata=_owned_by("layer_offload", "{} layer(s) offloaded"))
-    quantized_optimizer: bool = field(default=False, metadata=_owned_by("quantized_optimizer", "8-bit optimizer state"))
-    quantized_weights: bool | Literal["4bit"] = field(
-        default=False,
-        metadata={**_owned_by("quantized_weights", "8-bit frozen weights"), "4bit": "4-bit frozen weights"},
-    )
+    precision: Precision | None = None
+    checkpointing: CheckpointingMode | None = None
+    activation_offload: bool = False
+    optimizer_offload: bool | Literal["master"] = False
+    offload_layers: int = 0
+    quantized_optimizer: bool = False
+    quantized_weights: bool | Literal["4bit"] = False
     extras: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
@@ -134,9 +123,10 @@ class Plan:
         if isinstance(self.offload_layers, bool) or not isinstance(self.offload_layers, int) or self.offload_layers < 0:
             raise ValueError(f"Plan.offload_layers must be an int >= 0, got {self.offload_layers!r}")
         for name, level in self.extras:
-            if name in BUILTIN_RUNGS or isinstance(level, bool) or not isinstance(level, int) or level < 1:
+            if registry.in_field(name) or isinstance(level, bool) or not isinstance(level, int) or level < 1:
                 raise ValueError(
-                    f"Plan.extras holds (name, level >= 1) pairs of rungs that are not built in, got {self.extras!r}"
+                    f"Plan.extras holds (name, level >= 1) pairs of rungs without a plan field of their own, got "
+                    f"{self.extras!r}"
                 )
         if self.optimizer_offload == "master" and not keeps_master_weights(self.precision, self.offload_layers):
             raise ValueError(  # (it would run the first level and be described, logged and saved as the second)
@@ -171,9 +161,8 @@ class Plan:
 
     def rungs(self, batch_size: int) -> tuple[str, ...]:
         """Names of the rungs in effect for a batch of this size (``"micro_batch"`` only if it is split)."""
-        split = ("micro_batch",) if self.micro_batches(batch_size) > 1 else ()
-        engaged = (rung for rung, value in self._settings() if value)
-        return (*split, *engaged, *(name for name, _ in self.extras))
+        engaged = (rung.name for rung in registry.entries() if rung.level(self, batch_size) > 0)
+        return (*engaged, *(name for name, _ in self.extras if registry.find(name) is None))
 
     def replace(self, **changes: Any) -> Plan:
         """A copy of this plan with some fields changed.
@@ -192,21 +181,28 @@ class Plan:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The plan as plain JSON-ready data (``extras`` only where a rung that is not built in is engaged)."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extras"}
-        if self.extras:
-            data["extras"] = dict(self.extras)
+        """The plan as plain JSON-ready data: every field; a built-in rung without a field, where engaged, under its
+        own name; ``extras`` only where a rung that is not built in is engaged."""
+        data: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extras"}
+        data.update((name, level) for name, level in self.extras if registry.find(name) is not None)
+        others = {name: level for name, level in self.extras if registry.find(name) is None}
+        if others:
+            data["extras"] = others
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         """The inverse of :meth:`to_dict`; unknown keys are an error."""
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)}
+        # (a built-in rung without a field of its own is written under its name: its level goes to ``extras``)
+        levels = {key: value for key, value in data.items() if _kept_in_extras(key) and key not in names}
+        unknown = set(data) - names - set(levels)
         if unknown:
             raise ValueError(f"unknown plan field(s) {sorted(unknown)}")
-        values = dict(data)
-        if "extras" in values:
-            values["extras"] = tuple(dict(values["extras"]).items())
+        values = {key: value for key, value in data.items() if key in names}
+        extras = {**levels, **dict(values.get("extras", {}))}
+        if extras:
+            values["extras"] = tuple(extras.items())
         return cls(**values)
 
     def describe(self, batch_size: int | None = None) -> str:
@@ -217,13 +213,11 @@ class Plan:
             parts = [f"micro-batches of {self.micro_batch_size}"]
         else:
             parts = [f"micro-batches of {self.micro_batch_size} (x{self.micro_batches(batch_size)})"]
-        parts += [_phrase(f, getattr(self, f.name)) for f in _RUNG_FIELDS if getattr(self, f.name)]
-        parts += [name if level == 1 else f"{name} (level {level})" for name, level in self.extras]
+        rungs = (rung for rung in registry.entries() if not rung.sizing)
+        parts += [phrase for rung in rungs if (phrase := rung.describe(self, batch_size)) is not None]
+        extras = ((name, level) for name, level in self.extras if registry.find(name) is None)
+        parts += [name if level == 1 else f"{name} (level {level})" for name, level in extras]
         return ", ".join(parts)
-
-    def _settings(self) -> list[tuple[str, Any]]:
-        """(rung name, value) of each built-in rung but micro-batching, in the order of the fields."""
-        return [(f.metadata["rung"], getattr(self, f.name)) for f in _RUNG_FIELDS]
 
 
 def keeps_master_weights(precision: Precision | None, offload_layers: int) -> bool:
@@ -232,12 +226,9 @@ def keeps_master_weights(precision: Precision | None, offload_layers: int) -> bo
     return precision == "bf16" and not offload_layers
 
 
-def _phrase(field_: dataclasses.Field[Any], value: Any) -> str:
-    """How ``describe`` words an engaged field: its own phrase for a named value, else the field's phrase."""
-    named = field_.metadata.get(value) if isinstance(value, str) else None
-    return str(named) if named is not None else str(field_.metadata["phrase"]).format(value)
+def _kept_in_extras(name: str) -> bool:
+    return registry.find(name) is not None and not registry.in_field(name)
 
 
-_RUNG_FIELDS = tuple(f for f in dataclasses.fields(Plan) if "rung" in f.metadata)
-#: The built-in rungs, in the order of their fields (the canonical order).
-BUILTIN_RUNGS: tuple[str, ...] = ("micro_batch", *(f.metadata["rung"] for f in _RUNG_FIELDS))
+#: The built-in rungs' names, in canonical order (a live view of the registry).
+BUILTIN_RUNGS = registry.BUILTIN_RUNGS

@@ -35,7 +35,7 @@ class PeakModel:
     """Observed peaks per configuration, and the largest micro-batch predicted to fit.
 
     >>> model = PeakModel(margin=0.1)
-    >>> model.record_success(Plan(micro_batch_size=4), items=400, excess=5_000, fixed_hint=1_000)
+    >>> model.record_success(Plan(micro_batch_size=4), items=400, excess=5_000)
     >>> model.max_micro_batch(Plan(), capacity=20_000, base=4_000, items_per_sample=100, fixed_hint=1_000)
     13
     """
@@ -50,7 +50,7 @@ class PeakModel:
     def _key(plan: Plan) -> Plan:
         return plan.replace(micro_batch_size=None)
 
-    def record_success(self, plan: Plan, items: int, excess: int, fixed_hint: int) -> None:
+    def record_success(self, plan: Plan, items: int, excess: int) -> None:
         """A successful attempt on ``plan``: its largest micro-batch held ``items``; it peaked ``excess`` above base."""
         if items <= 0 or excess <= 0:
             return

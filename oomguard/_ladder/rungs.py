@@ -1,36 +1,50 @@
-"""Rungs of the fallback ladder: each one is a policy over one part of the plan.
+"""What a rung is: a policy over one part of the plan, and everything the package knows of it, declared.
 
 A rung knows which phases of a step it relieves, how far down it a plan is (its level: 0 when it is not
-engaged), how to make a plan cheaper (:meth:`Rung.escalate`) and how to give itself back one step
-(:meth:`Rung.relax`). Rungs are pure: they only compute plans. What a plan does to torch state is the business of
-the rung's effect (:mod:`oomguard._effects`); a rung that is not built in names its own (:meth:`Rung.effect`).
+engaged), how to make a plan need less memory (:meth:`Rung.escalate`) and how to give itself back one step
+(:meth:`Rung.relax`). It declares its place in the default ladder (``after``), whether it is opt-in, whether its
+maths is exact, how tuning may trade it, what it ends of other rungs, what it asks of the model, optimizer and
+device (:meth:`Rung.facts`) and its effect (:meth:`Rung.effect`). Rungs are pure: they only compute plans. The
+built-in ones live one module each in :mod:`oomguard._rungs` (where their effects may work on torch) and are
+registered in :mod:`oomguard._ladder.registry`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Literal
 
-from oomguard._ladder.plan import ACTIVATION_PHASES, EVERY_PHASE, Phase, Plan, Precision, keeps_master_weights
+from oomguard._ladder import registry
+from oomguard._ladder.plan import EVERY_PHASE, Phase, Plan
 
 __all__ = [
-    "ActivationOffload",
-    "Amp",
-    "Checkpointing",
-    "LayerOffload",
-    "MicroBatch",
-    "OptimizerOffload",
-    "QuantizedOptimizer",
-    "QuantizedWeights",
+    "FieldRung",
     "Rung",
     "RungContext",
+    "Sizing",
+    "Trade",
+    "builtin",
+    "effect_order",
+    "register",
+    "registered",
+    "unregister",
 ]
+
+#: How tuning's search may trade a rung for speed: at every level it reaches (``"levels"``), off or at the level
+#: of the plan searched around (``"off_or_level"``), or not at all (``"fixed"``: kept as that plan has it).
+Trade = Literal["levels", "off_or_level", "fixed"]
 
 
 @dataclass(frozen=True)
 class RungContext:
-    """What a rung may look at when it picks the next plan."""
+    """What a rung may look at when it picks the next plan.
+
+    The named fields are the facts of the call (batch, phase, prediction) and the preconditions of the rungs the
+    package was first built with; a rung asks for its own preconditions through :meth:`Rung.facts`, which
+    :func:`~oomguard._options.model_context` collects into these fields where one has the fact's name, else into
+    ``facts`` (read with :meth:`fact`): a new rung needs no new field.
+    """
 
     batch_size: int
     #: Repeated blocks found in the model (decoder layers); 0 when it has none.
@@ -55,16 +69,29 @@ class RungContext:
     optimizer_quantizable: bool = True
     #: Whether the model has frozen linear weights the quantized_weights rung can keep in 8 bits.
     frozen_linears: bool = False
+    #: The preconditions of rungs that have no field above, by the names their :meth:`Rung.facts` give them.
+    facts: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    def fact(self, name: str, default: Any = None) -> Any:
+        """The precondition ``name``: a field of that name, else from ``facts``, else ``default`` (a context made
+        by hand, in a test, holds no facts)."""
+        if name in _FIELDS:
+            return getattr(self, name)
+        return self.facts.get(name, default)
+
+
+_FIELDS = frozenset(f.name for f in fields(RungContext)) - {"facts"}
 
 
 class Rung:
     """One step down the ladder. ``name`` appears in events, in ``StepResult.rungs`` and in the report.
 
     Subclass it for a rung of your own: give it a ``name``, the phases it ``relieves`` and how deep it goes
-    (``max_level``), and return the class of its effect from :meth:`effect` (a subclass of
-    ``oomguard._effects.Effect``, called with the model's effect target). Its level lives in the plan's
-    ``extras``; each out-of-memory error that it answers takes it one level down, each relaxation one level up.
-    Built-in rungs keep their level in a plan field of their own instead.
+    (``max_level``), and return the class of its effect from :meth:`effect` (a subclass of :class:`oomguard.Effect`,
+    called with the model's :class:`oomguard.EffectTarget`). Its level lives in the plan's ``extras``; each
+    out-of-memory error that it answers takes it one level down, each relaxation one level up. Pass it in
+    ``ladder=``; a built-in rung is registered instead (:func:`register`) and declares
+    the class attributes below.
 
     >>> class Quiet(Rung):
     ...     name = "quiet"
@@ -77,8 +104,25 @@ class Rung:
     #: The phases of a step whose memory this rung reduces; after an OOM in another phase, the ladder prefers
     #: rungs that relieve it.
     relieves: frozenset[Phase] = EVERY_PHASE
-    #: How many levels down this rung goes (the default :meth:`escalate` stops there).
+    #: How many levels down this rung goes (the default :meth:`deeper` stops there).
     max_level: int = 1
+    #: The plan field that holds this rung's level; None keeps it in ``Plan.extras`` under the rung's name.
+    field: ClassVar[str | None] = None
+    #: The rung this one follows in the canonical order (the default ladder); None for the first.
+    after: ClassVar[str | None] = None
+    #: Whether the default ladder leaves it out (a user lists it in ``ladder=``): rungs that change the maths.
+    opt_in: ClassVar[bool] = False
+    #: Whether the training maths is exactly the plain step's with this rung engaged.
+    exact: ClassVar[bool] = True
+    #: How tuning's search may trade this rung for speed (see :data:`Trade`).
+    trade: ClassVar[Trade] = "fixed"
+    #: The rungs this one ends when it engages, and the level each is capped at while it is engaged: they cannot
+    #: go deeper then either (applied in :func:`_settle`, and nowhere else).
+    ends: ClassVar[Mapping[str, int]] = {}
+    #: The rungs whose effects must come after this rung's (its saved-tensor hook must see tensors first, say).
+    effect_before: ClassVar[tuple[str, ...]] = ()
+    #: Whether this is the ladder's sizing rung (micro-batching; see :class:`Sizing`).
+    sizing: ClassVar[bool] = False
 
     def level(self, plan: Plan, batch_size: int) -> int:
         """How far down this rung ``plan`` is: 0 when the rung is not engaged, deeper is larger."""
@@ -89,7 +133,13 @@ class Rung:
         return plan.with_level(self.name, level)
 
     def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        """A plan that needs less memory than ``plan``, or None if this rung has nothing more to give."""
+        """A plan that needs less memory than ``plan``, or None if this rung has nothing more to give: the rung's
+        own step (:meth:`deeper`), with what the rungs end of each other applied."""
+        deeper = self.deeper(plan, context)
+        return None if deeper is None else _settle(deeper, self, context.batch_size)
+
+    def deeper(self, plan: Plan, context: RungContext) -> Plan | None:
+        """This rung's own step down from ``plan`` (one level, to ``max_level``), before what it ends is applied."""
         level = self.level(plan, context.batch_size)
         return self.at_level(plan, level + 1, context.batch_size) if level < self.max_level else None
 
@@ -101,6 +151,16 @@ class Rung:
     def effect(self) -> Callable[[Any], Any] | None:
         """The class (or factory) of this rung's effect on torch state, if it has one of its own."""
         return None
+
+    def facts(self, target: Any) -> Mapping[str, Any]:
+        """What this rung's :meth:`escalate` needs to know of the model, optimizer and device, asked of the guard's
+        :class:`~oomguard.EffectTarget` once per guard (see :meth:`RungContext.fact`)."""
+        return {}
+
+    def describe(self, plan: Plan, batch_size: int | None) -> str | None:
+        """How :meth:`Plan.describe` words this rung in ``plan``; None when it is not engaged."""
+        level = self.level(plan, batch_size or 0)
+        return None if not level else self.name if level == 1 else f"{self.name} (level {level})"
 
     def reaches(self, plan: Plan, context: RungContext) -> bool:
         """Whether this rung, in ``context``, could take a plan to where ``plan`` has it: what a plan another job
@@ -125,240 +185,95 @@ class Rung:
         return f"{self.name} at level {self.level(plan, batch_size)}"
 
 
-@dataclass(frozen=True)
-class MicroBatch(Rung):
-    """Halve the micro-batch size: 2, 4, 8 ... micro-batches with exact gradient accumulation.
+class Sizing(Rung):
+    """The ladder's sizing rung (micro-batching): the one the ladder resets when another rung engages and grows
+    first when it steps back up (see :mod:`oomguard._ladder.ladder`)."""
 
-    Stops at ``min_size`` samples per micro-batch (1 by default). An uneven last micro-batch is fine. Its level
-    is how many samples fewer than the batch a micro-batch holds.
-    """
-
-    min_size: int = 1
-    name: str = "micro_batch"
-    relieves: frozenset[Phase] = ACTIVATION_PHASES
-
-    def level(self, plan: Plan, batch_size: int) -> int:
-        return batch_size - plan.effective_micro_batch_size(batch_size)
-
-    def at_level(self, plan: Plan, level: int, batch_size: int) -> Plan:
-        return plan.replace(micro_batch_size=None if level <= 0 else batch_size - level)
-
-    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        current = plan.effective_micro_batch_size(context.batch_size)
-        if current <= self.min_size:
-            return None
-        target = -(-current // 2)
-        if context.max_micro_batch is not None:  # jump past halvings the peak model says cannot fit
-            target = min(target, context.max_micro_batch)
-        return plan.replace(micro_batch_size=max(self.min_size, target))
-
-    def relax(self, plan: Plan, batch_size: int) -> Plan | None:
-        """Micro-batches twice as large, up to the whole batch."""
-        current = plan.effective_micro_batch_size(batch_size)
-        if current >= batch_size:
-            return None
-        doubled = 2 * current
-        return plan.replace(micro_batch_size=None if doubled >= batch_size else doubled)
-
-    def smallest(self, plan: Plan, batch_size: int) -> Plan:
-        """``plan`` at the smallest micro-batch this rung allows: where halving ended before a deeper rung."""
-        return plan.replace(micro_batch_size=min(self.min_size, batch_size))
+    sizing: ClassVar[bool] = True
 
     def floor(self, batch_size: int) -> int:
         """The smallest micro-batch this rung allows for a batch of ``batch_size``."""
-        return min(self.min_size, batch_size)
-
-    def reaches(self, plan: Plan, context: RungContext) -> bool:
-        """Micro-batches of any size down to ``min_size`` (predictive sizing picks sizes halving never visits)."""
-        return plan.micro_batch_size is None or plan.micro_batch_size >= self.min_size
-
-    def setting(self, plan: Plan, batch_size: int) -> str:
-        return f"micro_batch_size={plan.micro_batch_size}"
+        return 1
 
 
-class _OneField(Rung):
+class FieldRung(Rung):
     """A rung whose part of the plan is one field that takes a few values, the shallowest (not engaged) first."""
 
-    _FIELD: ClassVar[str]
-    _LEVELS: ClassVar[tuple[Any, ...]]
+    field: ClassVar[str]
+    #: The field's values, level by level.
+    levels: ClassVar[tuple[Any, ...]]
+    #: How :meth:`Plan.describe` words each level but the first (``{}``: the field's value).
+    phrases: ClassVar[tuple[str, ...]]
 
     def level(self, plan: Plan, batch_size: int) -> int:
-        return self._LEVELS.index(getattr(plan, self._FIELD))
+        return self.levels.index(getattr(plan, self.field))
 
     def at_level(self, plan: Plan, level: int, batch_size: int) -> Plan:
-        return plan.replace(**{self._FIELD: self._LEVELS[level]})
+        return plan.replace(**{self.field: self.levels[level]})
+
+    def describe(self, plan: Plan, batch_size: int | None) -> str | None:
+        level = self.level(plan, batch_size or 0)
+        return self.phrases[level - 1].format(getattr(plan, self.field)) if level else None
 
     def setting(self, plan: Plan, batch_size: int) -> str:
-        return f"{self._FIELD}={getattr(plan, self._FIELD)!r}"
+        return f"{self.field}={getattr(plan, self.field)!r}"
 
 
-@dataclass(frozen=True)
-class Amp(_OneField):
-    """Mixed precision: bf16 autocast where the device supports it, else fp16 with a gradient scaler.
+# -- the registry's typed view -----------------------------------------------------------------------------------
 
-    ``dtype`` forces one of the two.
-    """
 
-    dtype: Precision | None = None
-    name: str = "amp"
-    relieves: frozenset[Phase] = ACTIVATION_PHASES
+def register(rung: type[Rung]) -> type[Rung]:
+    """Make ``rung`` (a subclass of :class:`Rung` made without arguments) a built-in rung, placed right after the
+    rung it declares it follows (``after``); returns the class. Its level, where it declares no ``field``, lives in
+    ``Plan.extras`` under its name, and reads as a built-in's there (``describe()``, ``to_dict()``)."""
+    made = rung()
+    if not isinstance(made, Rung) or not isinstance(getattr(made, "name", None), str):
+        raise TypeError(f"register() takes a subclass of oomguard.Rung with a name, got {rung!r}")
+    registry.add(made)
+    return rung
 
-    _FIELD = "precision"
-    _LEVELS = (None, "bf16", "fp16")  # fp16 the deeper: where ranks disagree, the one every device runs
 
-    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        if plan.precision is not None or not context.amp_available:
+def unregister(name: str) -> None:
+    """Take the built-in rung ``name`` off the registry (a test's own rung, once the test is over)."""
+    registry.remove(name)
+
+
+def registered() -> tuple[Rung, ...]:
+    """Every built-in rung (its default instance), in canonical order."""
+    return tuple(rung for rung in registry.entries() if isinstance(rung, Rung))
+
+
+def builtin(name: str) -> Rung | None:
+    """The built-in rung ``name`` (its default instance), None if none has that name."""
+    return next((rung for rung in registered() if rung.name == name), None)
+
+
+def effect_order() -> tuple[Rung, ...]:
+    """The built-in rungs in the order their effects run (undone in the reverse): canonical, but a rung another
+    declares in its ``effect_before`` waits for it (the earliest rung in canonical order that may go next goes)."""
+    waiting = list(registered())
+    ordered: list[Rung] = []
+    while waiting:
+        pending = {name for rung in waiting for name in rung.effect_before}
+        ready = next((rung for rung in waiting if rung.name not in pending), None)
+        if ready is None:
+            raise ValueError(f"the rungs' effect_before declarations make a loop: {[r.name for r in waiting]}")
+        ordered.append(ready)
+        waiting.remove(ready)
+    return tuple(ordered)
+
+
+def _settle(plan: Plan, rung: Rung, batch_size: int) -> Plan | None:
+    """``plan``, which ``rung`` just took one step down, with what the rungs' ``ends`` declare applied: the rungs
+    ``rung`` ends are capped at their declared level; None where a rung engaged in ``plan`` ends ``rung`` itself
+    at a level shallower than the one it took (8-bit optimizer state while the state is on the host)."""
+    level = rung.level(plan, batch_size)
+    for other in registered():
+        cap = other.ends.get(rung.name)
+        if cap is not None and other.name != rung.name and other.level(plan, batch_size) > 0 and level > cap:
             return None
-        dtype: Precision = self.dtype or ("bf16" if context.bf16_supported else "fp16")
-        return plan.replace(precision=dtype)
-
-    def relax(self, plan: Plan, batch_size: int) -> Plan | None:
-        return plan.replace(precision=None) if plan.precision is not None else None
-
-    def reaches(self, plan: Plan, context: RungContext) -> bool:
-        if plan.precision == "fp16" and self.dtype is None and context.distributed and context.amp_available:
-            return True  # ranks on devices that differ agree on fp16, which every device runs
-        return super().reaches(plan, context)
-
-
-@dataclass(frozen=True)
-class Checkpointing(_OneField):
-    """Activation checkpointing of the repeated blocks: every other block first, then every block."""
-
-    name: str = "checkpointing"
-    relieves: frozenset[Phase] = ACTIVATION_PHASES
-
-    _FIELD = "checkpointing"
-    _LEVELS = (None, "partial", "full")
-
-    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        if context.num_blocks == 0 or context.checkpointed or plan.checkpointing == "full":
-            return None
-        if plan.checkpointing is None and context.num_blocks > 1:
-            return plan.replace(checkpointing="partial")
-        return plan.replace(checkpointing="full")
-
-
-@dataclass(frozen=True)
-class ActivationOffload(_OneField):
-    """Keep the tensors saved for backward in host memory, bringing them back for backward."""
-
-    name: str = "activation_offload"
-    relieves: frozenset[Phase] = ACTIVATION_PHASES
-
-    _FIELD = "activation_offload"
-    _LEVELS = (False, True)
-
-    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        if plan.activation_offload or not context.can_offload:
-            return None
-        return plan.replace(activation_offload=True)
-
-
-@dataclass(frozen=True)
-class OptimizerOffload(_OneField):
-    """Keep the optimizer's state (Adam's moments) in host memory and run the optimizer step there: the device
-    keeps the parameters and gradients only. Each step copies the gradients and parameters to the host and the
-    updated parameters back; the maths is the optimizer's own, on the host.
-
-    Its second level, where the plan runs bf16 and offloads no layer (and not under ``torch.distributed``, whose
-    gradient buckets are made for the parameters' dtype), also keeps the fp32 master weights on the host and only
-    a bf16 copy on the device: weights and gradients take half the device memory, a step moves 4 bytes per
-    parameter, and the maths is bf16 training with fp32 master weights (within amp's tolerance)."""
-
-    name: str = "optimizer_offload"
-    relieves: frozenset[Phase] = EVERY_PHASE  # the state is resident in every phase; the master level halves weights
-
-    _FIELD = "optimizer_offload"
-    _LEVELS = (False, True, "master")
-
-    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        if not context.can_offload or not context.optimizer_offloadable:
-            return None
-        if not plan.optimizer_offload:
-            return plan.replace(optimizer_offload=True, quantized_optimizer=False)  # (state on the host: in fp32)
-        if plan.optimizer_offload is True and keeps_master_weights(plan.precision, plan.offload_layers):
-            return None if context.distributed else plan.replace(optimizer_offload="master")
-        return None
-
-    def at_level(self, plan: Plan, level: int, batch_size: int) -> Plan:
-        """``plan`` at ``level``; the master level only where ``plan`` can keep master weights (see
-        :func:`~oomguard._ladder.plan.keeps_master_weights`), the first level elsewhere: what would run."""
-        if level == 2 and not keeps_master_weights(plan.precision, plan.offload_layers):
-            level = 1
-        return super().at_level(plan, level, batch_size)
-
-
-@dataclass(frozen=True)
-class QuantizedOptimizer(_OneField):
-    """Keep Adam's moments in block-wise 8-bit storage on the device (2 bytes of state per parameter instead of
-    8); the optimizer runs its own algorithm on them, dequantized a few parameters at a time. Changes the maths
-    like ``amp``: each moment keeps about 3 significant bits. Only for torch's Adam and AdamW; offloading the
-    optimizer's state supersedes it (those rungs end it)."""
-
-    name: str = "quantized_optimizer"
-    relieves: frozenset[Phase] = EVERY_PHASE  # the state is resident in every phase
-
-    _FIELD = "quantized_optimizer"
-    _LEVELS = (False, True)
-
-    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        offloaded = plan.optimizer_offload or plan.offload_layers
-        if plan.quantized_optimizer or offloaded or not context.optimizer_quantizable:
-            return None
-        return plan.replace(quantized_optimizer=True)
-
-
-@dataclass(frozen=True)
-class QuantizedWeights(_OneField):
-    """Keep frozen ``nn.Linear`` weights (a LoRA job's base model) in 8 bits on the device, per output channel,
-    then, one level deeper, in 4 bits (NF4 codes with one scale per 64 values), and their exact originals on the
-    host; trainable parameters are never quantized. Changes the maths like ``amp``. Inapplicable to a model with
-    no frozen linear weight; layer offload ends it."""
-
-    name: str = "quantized_weights"
-    relieves: frozenset[Phase] = EVERY_PHASE  # the weights are resident in every phase
-
-    _FIELD = "quantized_weights"
-    _LEVELS = (False, True, "4bit")
-
-    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        if plan.quantized_weights == "4bit" or plan.offload_layers or not context.frozen_linears:
-            return None
-        return plan.replace(quantized_weights="4bit" if plan.quantized_weights else True)
-
-
-@dataclass(frozen=True)
-class LayerOffload(Rung):
-    """Keep the parameters, gradients and optimizer state of 1, 2, 4 ... blocks (up to all) in host memory."""
-
-    name: str = "layer_offload"
-    relieves: frozenset[Phase] = EVERY_PHASE
-
-    def level(self, plan: Plan, batch_size: int) -> int:
-        return plan.offload_layers
-
-    def at_level(self, plan: Plan, level: int, batch_size: int) -> Plan:
-        return plan.replace(offload_layers=level)
-
-    def escalate(self, plan: Plan, context: RungContext) -> Plan | None:
-        if plan.offload_layers >= context.num_blocks or not context.can_offload:
-            return None
-        layers = min(context.num_blocks, max(1, 2 * plan.offload_layers))
-        # (offloaded blocks keep fp32 weights and state on the host: master weights and 8-bit storage end)
-        offload = True if plan.optimizer_offload == "master" else plan.optimizer_offload
-        return plan.replace(
-            offload_layers=layers, optimizer_offload=offload, quantized_optimizer=False, quantized_weights=False
-        )
-
-    def reaches(self, plan: Plan, context: RungContext) -> bool:
-        """Any number of blocks up to all (stepping back up halves what escalation doubled: 6 -> 3), where host
-        memory is distinct from the device's."""
-        return not plan.offload_layers or (context.can_offload and plan.offload_layers <= context.num_blocks)
-
-    def setting(self, plan: Plan, batch_size: int) -> str:
-        return f"offload_layers={plan.offload_layers}"
-
-    def relax(self, plan: Plan, batch_size: int) -> Plan | None:
-        """Half as many blocks offloaded (4 -> 2 -> 1 -> 0), as escalation doubled them."""
-        return plan.replace(offload_layers=plan.offload_layers // 2) if plan.offload_layers else None
+    for name, cap in rung.ends.items():
+        ended = builtin(name)
+        if ended is not None and ended.level(plan, batch_size) > cap:
+            plan = ended.at_level(plan, cap, batch_size)
+    return plan

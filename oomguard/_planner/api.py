@@ -51,19 +51,18 @@ def plan(
     ladder, until one fits. Takes seconds for a 1B-parameter model on a laptop CPU.
 
     Args:
-        model: a preset name (see ``oomguard._planner.presets.PRESETS``: ``"tinyllama-1.1b"``, ``"gpt2"``...), the path
+        model: a preset name (see ``oomguard.planner.PRESETS``: ``"tinyllama-1.1b"``, ``"gpt2"``...), the path
             of a transformers ``config.json`` (or its folder), a config dict with ``model_type``, or a config.
         gpu_memory: the device's total memory, e.g. ``"6GiB"``.
         batch_size, seq_len: the batch, in sequences of ``seq_len`` tokens.
         optimizer: ``"adamw"`` or ``"sgd"`` (with momentum), as ``torch.optim`` runs them on CUDA (foreach).
         ladder: the guard's ladder (rung names or objects); the default ladder if None.
-        target: ``"cuda"`` adds what a CUDA device holds beyond the tensors (its context and the allocator's
-            rounding: the report's ``device_overhead_bytes``) to every peak; ``"simulated"`` plans for a
-            :class:`~oomguard.testing.SimulatedGPU` of that capacity (no overhead).
+        target: ``"cuda"`` adds :func:`oomguard.planner.device_overhead` to every peak; ``"simulated"`` plans
+            for a :class:`~oomguard.testing.SimulatedGPU` of that capacity (no overhead).
         bf16: whether the device runs bf16 (Ampere and newer); else mixed precision is fp16.
         max_grad_norm: plan with gradient clipping, as the guard's option of that name.
         speed: the device model that predicts each plan's step time (the recommendation is the fastest fitting
-            plan by it); default: a 6 GB consumer GPU (see :class:`oomguard._planner.speed.DeviceSpeed`).
+            plan by it); default: a 6 GB consumer GPU (see :class:`oomguard.planner.DeviceSpeed`).
         lora_rank: plan a LoRA fine-tune instead of a full one: the model frozen, rank-``lora_rank`` adapters on
             ``lora_targets`` (``"all-linear"``: every linear layer but the output head; or layer names as PEFT's
             ``target_modules``, e.g. ``["q_proj", "v_proj"]``) trained, as a PEFT LoRA job computes them
@@ -76,26 +75,9 @@ def plan(
     >>> report.recommended.describe(2), report.fits
     ('whole batch', True)
     """
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if target not in ("cuda", "simulated"):
-        raise ValueError(f"target must be 'cuda' or 'simulated', got {target!r}")
-    if lora_rank is None and lora_targets != ALL_LINEAR:  # (a full fine-tune would ignore them)
-        raise ValueError("lora_targets= names the layers a LoRA fine-tune adapts: give lora_rank= too")
+    _check(optimizer, batch_size, seq_len, target, lora_rank, lora_targets)
     capacity = parse_bytes(gpu_memory)
-    with _quiet_transformers():  # a config it cannot use is our one-line error, not its warnings and then ours
-        config = load_config(model)
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if positions is not None and seq_len > positions:
-        raise ValueError(f"seq_len {seq_len} is longer than the model's {positions} positions; plan a shorter one")
-    config.use_cache = False  # training keeps no key/value cache
-    if target == "cuda":  # CUDA's fused attention keeps no dropout mask (it replays the RNG); the CPU's does
-        for field in _ATTENTION_DROPOUT:
-            if hasattr(config, field):
-                setattr(config, field, 0.0)
+    config = _training_config(model, seq_len, target)
     label = model if isinstance(model, str) else getattr(config, "model_type", "model")
     with FakeTensorMode(), _quiet_transformers():
         net = _build(config, config_source(model))
@@ -117,6 +99,37 @@ def plan(
             label=str(label), ladder=ladder, max_grad_norm=max_grad_norm, bf16=bf16, seq_len=seq_len,
             optimizer_name="AdamW" if optimizer == "adamw" else "SGD (momentum 0.9)", speed=speed,
         )  # fmt: skip
+
+
+def _check(
+    optimizer: str, batch_size: int, seq_len: int, target: str, lora_rank: int | None, lora_targets: object
+) -> None:
+    """:func:`plan`'s arguments, or the ``ValueError`` that names the one out of range."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if target not in ("cuda", "simulated"):
+        raise ValueError(f"target must be 'cuda' or 'simulated', got {target!r}")
+    if lora_rank is None and lora_targets != ALL_LINEAR:  # (a full fine-tune would ignore them)
+        raise ValueError("lora_targets= names the layers a LoRA fine-tune adapts: give lora_rank= too")
+
+
+def _training_config(model: str | Path | PretrainedConfig | dict[str, Any], seq_len: int, target: str) -> Any:
+    """The model's config, set up as a training step on ``target`` runs it (no cache; on CUDA, no attention
+    dropout mask kept)."""
+    with _quiet_transformers():  # a config it cannot use is our one-line error, not its warnings and then ours
+        config = load_config(model)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if positions is not None and seq_len > positions:
+        raise ValueError(f"seq_len {seq_len} is longer than the model's {positions} positions; plan a shorter one")
+    config.use_cache = False  # training keeps no key/value cache
+    if target == "cuda":  # CUDA's fused attention keeps no dropout mask (it replays the RNG); the CPU's does
+        for field in _ATTENTION_DROPOUT:
+            if hasattr(config, field):
+                setattr(config, field, 0.0)
+    return config
 
 
 def _build(config: PretrainedConfig, source: str) -> torch.nn.Module:

@@ -37,7 +37,7 @@ from oomguard._options import GuardOptions, build_runner, model_context
 from oomguard._planner.masks import unpadded_masks
 from oomguard._planner.reads import PlaceholderReads
 from oomguard._planner.report import Candidate, PlanReport, Target, device_overhead, tensor_budget
-from oomguard._planner.search import configurations, search
+from oomguard._planner.search import configurations, halvings, inexact, largest_fitting, search
 from oomguard._planner.speed import DeviceSpeed, FlopCount
 from oomguard._step.batch import batch_size, items_per_sample, split_batch
 from oomguard._step.runner import StepRunner
@@ -154,30 +154,55 @@ def dry_run(
             bench.probe.adopt(model, _tensors(batch))
             bench.run(split_batch(batch, 1)[0], Plan())  # a one-sample warm-up creates the optimizer state
             context = dataclasses.replace(model_context(runner), batch_size=size)
-            for given in plans or ():
-                bench.measure(given)
-            if search_around is not None:
-                configs = configurations(search_around, options.rungs, context)
-                search(configs, size, options.rungs.min_micro_batch(size), lambda plan: bench.measure(plan)[0].fits)
-            elif not plans:
-                _walk(bench, options.rungs, context)
-                master = _master_weights_instead(bench.candidates, options.rungs, context) if bf16 else None
-                if master is not None:
-                    _walk(bench, options.rungs, context, start=master)
+            _measure(bench, options.rungs, context, plans, search_around, bf16)
         finally:
             runner.effects.close()
-    candidates = bench.candidates
-    if not bf16:  # measured in bf16 (fp16's GradScaler reads values fake tensors do not have); fp16 autocast
-        # keeps the same sizes; the master level has none (its weights on the device are bf16), so it is not offered
-        kept = [c for c in candidates if c.plan.optimizer_offload != "master"]
-        candidates = [dataclasses.replace(c, plan=_fp16(c.plan)) for c in kept]
+    candidates = bench.candidates if bf16 else _as_fp16(bench.candidates)
     # The fastest fitting plan by the time model (ties: the first measured, the one the ladder reached first).
     fitting = [c.plan for c in sorted((c for c in candidates if c.fits), key=lambda c: c.predicted_seconds)]
     return PlanReport(
-        model=label, capacity_bytes=capacity, target=target, batch_size=size, seq_len=seq_len,
-        optimizer=optimizer_name or type(optimizer).__name__, candidates=tuple(candidates),
-        recommended=fitting[0] if fitting else None, seconds=time.perf_counter() - started,
-    )  # fmt: skip
+        model=label,
+        capacity_bytes=capacity,
+        target=target,
+        batch_size=size,
+        seq_len=seq_len,
+        optimizer=optimizer_name or type(optimizer).__name__,
+        candidates=tuple(candidates),
+        recommended=fitting[0] if fitting else None,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _measure(
+    bench: _Bench,
+    ladder: Ladder,
+    context: RungContext,
+    plans: Sequence[Plan] | None,
+    search_around: Plan | None,
+    bf16: bool,
+) -> None:
+    """What :func:`dry_run` measures: ``plans``, then the search around ``search_around``, or else the walk down
+    ``ladder`` (and on from master weights instead of offloaded layers, where bf16 is measured)."""
+    size = context.batch_size
+    for given in plans or ():
+        bench.measure(given)
+    if search_around is not None:
+        configs = configurations(search_around, ladder, context)
+        smallest, fixed = ladder.min_micro_batch(size), inexact(ladder)
+        search(configs, size, smallest, lambda plan: bench.measure(plan)[0].fits, fixed=fixed)
+    elif not plans:
+        _walk(bench, ladder, context)
+        master = _master_weights_instead(bench.candidates, ladder, context) if bf16 else None
+        if master is not None:
+            _walk(bench, ladder, context, start=master)
+
+
+def _as_fp16(candidates: list[Candidate]) -> list[Candidate]:
+    """The candidates of a dry run measured in bf16 (fp16's GradScaler reads values fake tensors do not have) for a
+    device without bf16: fp16 autocast keeps the same sizes; the master level has none (its weights on the device
+    are bf16), so it is not offered."""
+    kept = [c for c in candidates if c.plan.optimizer_offload != "master"]
+    return [dataclasses.replace(c, plan=_fp16(c.plan)) for c in kept]
 
 
 class _Bench:
@@ -212,9 +237,13 @@ class _Bench:
         run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
         transfers = probe.transfers(run, parts)
         seconds = self.speed.seconds(
-            flops=counted.total * parts / run, precision=plan.precision, transfer_bytes=transfers,
-            host_params=self._host_params(plan), micro_batches=parts, ops=counted.ops * parts / run,
-        )  # fmt: skip
+            flops=counted.total * parts / run,
+            precision=plan.precision,
+            transfer_bytes=transfers,
+            host_params=self._host_params(plan),
+            micro_batches=parts,
+            ops=counted.ops * parts / run,
+        )
         phase = None if fits else probe.failing_phase(base)
         self.candidates.append(Candidate(plan, peak, overhead, fits, phase, transfers, seconds))
         return self.candidates[-1], base
@@ -260,7 +289,7 @@ def _walk(bench: _Bench, ladder: Ladder, context: RungContext, start: Plan | Non
             _grow(plan, size, bench.candidates, bench.measure)
             return
         items = round(plan.effective_micro_batch_size(size) * per_sample)
-        peaks.record_success(plan, items, measured.peak_bytes - base, grad_bytes)
+        peaks.record_success(plan, items, measured.peak_bytes - base)
         sized = peaks.max_micro_batch(plan, bench.budget, base, per_sample, grad_bytes)
         phase = measured.phase or Phase.FORWARD
         step = ladder.next(plan, dataclasses.replace(context, phase=phase, max_micro_batch=sized))
@@ -276,13 +305,16 @@ def _master_weights_instead(tried: list[Candidate], ladder: Ladder, context: Run
     what streaming layers moves.
     """
     fitting = next((c.plan for c in reversed(tried) if c.fits), None)
-    names = ladder.names
-    usable = "optimizer_offload" in names and ("amp" in names or (fitting and fitting.precision == "bf16"))
-    if fitting is None or not fitting.offload_layers or not usable or not context.bf16_supported:
+    if fitting is None or not fitting.offload_layers:
         return None
-    if not (context.can_offload and context.optimizer_offloadable and context.amp_available):
-        return None
-    return fitting.replace(offload_layers=0, optimizer_offload="master", precision="bf16")
+    master = fitting.replace(offload_layers=0, optimizer_offload="master", precision="bf16")
+    rungs = {rung.name: rung for rung in ladder.known}
+    listed = set(ladder.names)
+    # Each rung it takes says whether it could get there (its preconditions: bf16 on this device, an optimizer
+    # that steps on the host, the master level's own rule); amp need not be listed where the walk already ran bf16.
+    usable = "optimizer_offload" in listed and ("amp" in listed or fitting.precision == "bf16")
+    reached = all(rungs[name].reaches(master, context) for name in ("amp", "optimizer_offload"))
+    return master if usable and reached else None
 
 
 def _grow(fitting: Plan, size: int, tried: list[Candidate], measure: Callable[[Plan], Any]) -> None:
@@ -292,11 +324,13 @@ def _grow(fitting: Plan, size: int, tried: list[Candidate], measure: Callable[[P
     same = [c for c in tried if c.plan.replace(micro_batch_size=None) == config]
     failed = [c.plan.effective_micro_batch_size(size) for c in same if not c.fits]
     low, high = fitting.effective_micro_batch_size(size), min(failed, default=size + 1)
-    sizes = sorted({-(-size // 2**k) for k in range(size.bit_length() + 1)} & set(range(low + 1, high)))
-    while sizes:
-        middle = sizes[len(sizes) // 2]
-        candidate, _ = measure(config.replace(micro_batch_size=None if middle >= size else middle))
-        sizes = [s for s in sizes if (s > middle if candidate.fits else s < middle)]
+    sizes = [s for s in halvings(size) if low < s < high]
+    largest_fitting(sizes, lambda micro: bool(measure(config.replace(micro_batch_size=_size(micro, size)))[0].fits))
+
+
+def _size(micro: int, size: int) -> int | None:
+    """The plan's micro_batch_size for micro-batches of ``micro`` on a batch of ``size`` (None: the whole batch)."""
+    return None if micro >= size else micro
 
 
 def _two_micro_batches(batch: Any, plan: Plan, size: int) -> Any:

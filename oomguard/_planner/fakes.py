@@ -90,7 +90,21 @@ def preplan(
     except Exception as error:  # a step the planner cannot run on fake tensors (an output sized by values, say)
         failure = f"{type(error).__name__}: {error}"
     # (outside the except block: its traceback, which holds the dry run's frames and their fakes, is gone)
-    escaped = leftovers(residue.storages)
+    searched = search_around is not None or plans is not None
+    return _answer(report, failure, leftovers(residue.storages), step_fn, purpose, capacity, searched)
+
+
+def _answer(
+    report: PlanReport | None,
+    failure: str | None,
+    escaped: list[str],
+    step_fn: Callable[[Any], Any],
+    purpose: str,
+    capacity: int,
+    searched: bool,
+) -> PlanReport | None:
+    """What a dry run's outcome tells the guard: its report, or None (logged) where fake tensors escaped or the
+    dry run failed. (``searched``: tuning's or a benchmark's own plans, whose report is theirs to read.)"""
     if escaped:
         _LEAKY.add(step_fn)
         logger.warning(
@@ -112,9 +126,7 @@ def preplan(
             failure,
         )
         return None
-    if report is None:
-        return None
-    if search_around is not None or plans is not None:
+    if report is None or searched:
         return report
     if report.recommended is None:
         logger.warning("%s: no plan on the ladder fits %s", purpose, format_bytes(capacity))

@@ -2,44 +2,41 @@
 that fits.
 
 Walking the ladder finds the first plan that fits, not the fastest: whether micro-batches of 4 with activations
-offloaded beat micro-batches of 1 in bf16 depends on the device. The search measures each configuration
-(precision x checkpointing x activation offload, each offload rung either off or as deep as the plan searched
-around) at the largest micro-batch that fits, so that a time model or a stopwatch can choose among them. Mixed
-precision is searched only where that plan already runs it: a faster plan never makes the maths less exact than
-memory forced it to be.
+offloaded beat micro-batches of 1 in bf16 depends on the device. The search measures each configuration of the
+ladder's rungs, each as its ``trade`` declares (every level it reaches, as precision, checkpointing and
+activation offload do; off or as deep as the plan searched around, as the offload rungs do; or as that plan has
+it), at the largest micro-batch that fits, so that a time model or a stopwatch can choose among them. A rung
+that is not exact (mixed precision) is searched only where that plan already engages it: a faster plan never
+makes the maths less exact than memory forced it to be.
 
-Two facts keep it short. A configuration with every rung at least as deep (the same precision) saves at least
-as much memory, so its largest micro-batch is at least as large: the bisection starts there. And it does at
-least as much work per sample: where a lighter configuration already runs the whole batch, the deeper one
-cannot be faster and is not measured.
+Two facts keep it short. A configuration with every rung at least as deep (the inexact ones at the same level)
+saves at least as much memory, so its largest micro-batch is at least as large: the bisection starts there. And
+it does at least as much work per sample: where a lighter configuration already runs the whole batch, the deeper
+one cannot be faster and is not measured.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Plan
 from oomguard._ladder.rungs import Rung, RungContext
 
-__all__ = ["configurations", "search"]
+__all__ = ["configurations", "halvings", "inexact", "largest_fitting", "search"]
 
-#: Rungs searched at every level they reach; offload rungs only off or at the searched plan's level; others fixed.
-_TRADING = frozenset({"amp", "checkpointing", "activation_offload"})
-#: Rungs that change the training maths: searched only where the plan searched around already has them.
-_INEXACT = frozenset({"amp"})
-_OFFLOADING = frozenset({"optimizer_offload", "layer_offload"})
 #: At most this many fake steps per search (each is a fraction of a second for a small model, seconds for 1B).
 MAX_MEASUREMENTS = 40
 
 
 def configurations(around: Plan, ladder: Ladder, context: RungContext) -> list[tuple[tuple[int, ...], Plan]]:
     """Every configuration of ``ladder``'s rungs (but micro-batching) to search around ``around``, as (levels,
-    plan on the whole batch), the lightest first. ``levels`` puts the rung of precision first."""
+    plan on the whole batch), the lightest first. ``levels`` puts the :func:`inexact` rungs first (precision):
+    configurations compare within the same levels of those."""
     size = context.batch_size
     deeper = [rung for rung in ladder.rungs if rung is not ladder.sizing]
-    deeper.sort(key=lambda rung: rung.name != "amp")  # precision first: configurations compare within one
+    deeper.sort(key=lambda rung: not _traded_inexact(rung))  # (a stable sort: the ladder's order otherwise)
     choices = [_levels(rung, around, context) for rung in deeper]
     found = []
     for levels in itertools.product(*choices):
@@ -50,14 +47,25 @@ def configurations(around: Plan, ladder: Ladder, context: RungContext) -> list[t
     return sorted(found, key=lambda item: sum(item[0]))
 
 
+def inexact(ladder: Ladder) -> int:
+    """How many of the levels of each of :func:`configurations` belong to rungs traded at every level that are not
+    exact: a configuration is lighter than another only at the same levels of those."""
+    return sum(1 for rung in ladder.rungs if rung is not ladder.sizing and _traded_inexact(rung))
+
+
+def _traded_inexact(rung: Rung) -> bool:
+    return rung.trade == "levels" and not rung.exact
+
+
 def _levels(rung: Rung, around: Plan, context: RungContext) -> list[int]:
+    """The levels of ``rung`` the search tries around ``around``, as the rung's ``trade`` says."""
     size, level = context.batch_size, rung.level(around, context.batch_size)
-    if rung.name in _OFFLOADING:
+    if rung.trade == "off_or_level":
         return sorted({0, level})
-    if rung.name not in _TRADING:
+    if rung.trade == "fixed":
         return [level]
-    if rung.name in _INEXACT and level == 0:
-        return [0]
+    if not rung.exact and level == 0:
+        return [0]  # (the maths stays as exact as the plan searched around has it)
     levels, plan = [0], rung.at_level(around, 0, size)
     while True:
         deeper = rung.escalate(plan, context)
@@ -67,37 +75,71 @@ def _levels(rung: Rung, around: Plan, context: RungContext) -> list[int]:
         plan = deeper
 
 
+def halvings(size: int) -> list[int]:
+    """The micro-batch sizes halving visits from a batch of ``size``: size, size/2, size/4 ... 1 (rounded up),
+    ascending."""
+    return sorted({-(-size // 2**k) for k in range(size.bit_length() + 1)})
+
+
+def _always() -> bool:
+    return True
+
+
+def largest_fitting(
+    sizes: Sequence[int], fits: Callable[[int], bool], more: Callable[[], bool] = _always
+) -> int | None:
+    """The largest of ``sizes`` (ascending) that ``fits``, by bisection, assuming that a size fits when a larger one
+    does; None where none measured fits. ``more`` is asked before each measurement: when it says no, the largest
+    size known to fit so far is the answer."""
+    best, left = None, list(sizes)
+    while left and more():
+        middle = left[len(left) // 2]
+        if fits(middle):
+            best, left = middle, [s for s in left if s > middle]
+        else:
+            left = [s for s in left if s < middle]
+    return best
+
+
 def search(
     configs: list[tuple[tuple[int, ...], Plan]],
     size: int,
     smallest: int,
     fits: Callable[[Plan], bool],
     limit: int = MAX_MEASUREMENTS,
+    fixed: int = 1,
 ) -> dict[Plan, int | None]:
     """The largest micro-batch (among the sizes halving visits, down to ``smallest``) at which each configuration
     ``fits`` (a measurement), None where none does; configurations dominated as the module says are left out,
-    and so is everything after ``limit`` measurements (a size the limit cut short is the largest known to fit)."""
+    and so is everything after ``limit`` measurements (a size the limit cut short is the largest known to fit).
+    The first ``fixed`` levels of each configuration are compared for equality, not order (see :func:`inexact`)."""
     largest: dict[tuple[int, ...], int | None] = {}
     found: dict[Plan, int | None] = {}
     measured = 0
+
+    def measure(config: Plan) -> Callable[[int], bool]:
+        def at(micro: int) -> bool:  # (one measurement, counted against the limit)
+            nonlocal measured
+            measured += 1
+            return fits(config.replace(micro_batch_size=None if micro >= size else micro))
+
+        return at
+
     for levels, config in configs:
-        lighter = [
-            largest[k] for k in largest if k[0] == levels[0] and all(a <= b for a, b in zip(k, levels, strict=True))
-        ]
+        lighter = [largest[k] for k in largest if _lighter(k, levels, fixed)]
         if size in lighter:
             continue  # a lighter configuration runs the whole batch: this one only adds work
         low = max((m for m in lighter if m is not None), default=None)
-        sizes = sorted(s for s in {-(-size // 2**k) for k in range(size.bit_length() + 1)} if s >= smallest)
-        candidates = [s for s in sizes if low is None or s > low]
-        best = low
-        while candidates and measured < limit:
-            middle = candidates[len(candidates) // 2]
-            measured += 1
-            if fits(config.replace(micro_batch_size=None if middle >= size else middle)):
-                best, candidates = middle, [s for s in candidates if s > middle]
-            else:
-                candidates = [s for s in candidates if s < middle]
-        largest[levels] = found[config] = best
+        candidates = [s for s in halvings(size) if s >= smallest and (low is None or s > low)]
+        best = largest_fitting(candidates, measure(config), lambda: measured < limit)
+        largest[levels] = found[config] = best if best is not None else low
         if measured >= limit:
             break
     return found
+
+
+def _lighter(known: tuple[int, ...], levels: tuple[int, ...], fixed: int) -> bool:
+    """Whether the configuration at ``known`` levels is at most as deep as ``levels`` in every rung (the first
+    ``fixed``, the inexact ones, at the same level)."""
+    same = known[:fixed] == levels[:fixed]
+    return same and all(a <= b for a, b in zip(known, levels, strict=True))

@@ -212,18 +212,34 @@ class StepRunner:
         """Clip, then the optimizer and scheduler steps as one transaction; the gradients are dropped after."""
         grad_norm = self._clip(scaler)
         self.progress.phase = Phase.OPTIMIZER
-        agree = self.agreement.after_step if self.agreement is not None else None
-        verdict = self.progress.verdict
-        allow_fast = verdict is None or not verdict.journal
-        # (The guard holds shutdown signals from here until it has counted the step: oomguard._guard.loop.)
+        self.optimizer_step(plan, backend, scaler)
+        self.progress.phase = Phase.DONE
+        self.zero_grad()
+        return grad_norm
+
+    def optimizer_step(
+        self,
+        plan: Plan,
+        backend: MemoryBackend,
+        scaler: torch.amp.GradScaler | None = None,
+        *,
+        run: Callable[[], None] | None = None,
+    ) -> None:
+        """The optimizer step of ``plan``, the one way the package steps: through the transaction (undone if it
+        raises), inside the plan's effects (optimizer offload steps on the host), with the runner's scheduler and
+        ``scaler``, agreed with the other ranks. ``run`` replaces the step itself (the Trainer's own, through
+        Accelerate's wrapper). The guard holds shutdown signals around it until the step is counted."""
         with self.effects.optimizer_step(plan, backend):
+            if run is not None:
+                self.transaction.step(backend, run=run)
+                return
+            agree = self.agreement.after_step if self.agreement is not None else None
+            verdict = self.progress.verdict
+            allow_fast = verdict is None or not verdict.journal
             self.transaction.step(backend, self.scheduler, scaler, agree=agree, allow_fast=allow_fast)
             self.effects.commit_scaler(scaler)
             if self.agreement is not None and self.ddp is not None:
                 self.agreement.broadcast_buffers(self.ddp)
-        self.progress.phase = Phase.DONE
-        self.zero_grad()
-        return grad_norm
 
     def _accumulate(self, job: _Job) -> tuple[int, float]:
         """Apply the plan, then forward and backward every micro-batch; agree with the other ranks. Returns the

@@ -1,10 +1,11 @@
 """The fault-sweep harness, and one rank of a two-rank gloo fault sweep.
 
-Imported by tests/test_fault_sweep.py, it runs one guarded training step from a saved state with one simulated
-out-of-memory error armed at a chosen device allocation (``SimulatedGPU.fail_allocation``), and compares what
-the step left behind with a fault-free reference. Run as ``python sweep_worker.py RANK WORLD PORT OUT MODE``
-(by tests/test_fault_sweep.py through the launcher of tests/test_distributed.py), it does the same under DDP on
-two gloo ranks, with every fault on rank 1, and writes what it found to ``OUT/sweep<RANK>.json``.
+Imported by tests/test_fault_sweep.py (and test_reliability.py, test_master_weights.py), it runs one guarded
+training step from a saved state with one simulated out-of-memory error armed at a chosen device allocation
+(``SimulatedGPU.fail_allocation``), and compares what the step left behind with a fault-free reference. Run as
+``python tests/helpers/sweep.py RANK WORLD PORT OUT MODE`` (by tests/test_fault_sweep.py through
+:func:`helpers.launch.launch`), it does the same under DDP on two gloo ranks, with every fault on rank 1, and
+writes what it found to ``OUT/sweep<RANK>.json``.
 
 What one faulted step is checked for (:func:`problems`), against a fault-free run of the same step:
 
@@ -36,10 +37,12 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __name__ == "__main__":  # a rank's script: the helpers package is imported from tests/, not from this folder
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from conftest import CountingGPU, make_llama, ragged_lm_batch
-
+from helpers.batches import ragged_lm_batch
+from helpers.devices import CountingGPU
+from helpers.models import make_llama
 from oomguard import OOMEvent, OOMGuard, Plan, StepResult
 
 CAPACITY = "64MiB"  # roomy: the only out-of-memory errors are the injected ones

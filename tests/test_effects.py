@@ -1,4 +1,6 @@
-"""Regression tests for bugs found in review. Each test fails on the code as reviewed and states the bug above it."""
+"""What the rungs' effects leave on the model and hold on the device: undoing one (closing the guard, relaxing the
+plan) leaves no trace of its own and gives back what the user had set up; one effect holds no copy another already
+made. Each test was written against a bug found in review, named above it, and fails on the code as reviewed."""
 
 from __future__ import annotations
 
@@ -6,7 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_llama, mse_step, ragged_lm_batch, tuple_batch
+from helpers.batches import ragged_lm_batch, tuple_batch
+from helpers.models import make_llama
+from helpers.steps import mse_step
 
 from oomguard import OOMGuard, Plan, StepRollbackError
 from oomguard.testing import SimulatedGPU
@@ -31,8 +35,8 @@ class _Blocks(torch.nn.Module):
         return self.head(x)
 
 
-# Bug (_checkpointing.py _enable_transformers): the undo is activation_checkpointing_disable, which does not remove
-# the enable_input_require_grads forward hook transformers put on the input embeddings; every enable adds another.
+# Bug (the checkpointing effect, transformers models): the undo is activation_checkpointing_disable, which does not
+# remove the enable_input_require_grads forward hook transformers put on the input embeddings; every enable adds one.
 def test_close_removes_the_input_embedding_hook_that_checkpointing_added() -> None:
     model = make_llama(layers=2)
     embeddings = model.get_input_embeddings()
@@ -46,9 +50,9 @@ def test_close_removes_the_input_embedding_hook_that_checkpointing_added() -> No
     assert len(embeddings._forward_hooks) == hooks_before
 
 
-# Bug (_checkpointing.py _enable_transformers / _effects.py): the checkpointing effect does not remember the model's
-# own checkpointing: the "partial" rung un-checkpoints half the layers of a user-checkpointed model (more memory,
-# not less), and undoing it (relaxing the plan, guard.close()) turns the user's checkpointing off entirely.
+# Bug (the checkpointing effect, transformers models): it did not remember the model's own checkpointing: the "partial"
+# rung un-checkpoints half the layers of a user-checkpointed model (more memory, not less), and undoing it (relaxing the
+# plan, guard.close()) turns the user's checkpointing off entirely.
 def test_checkpointing_effect_restores_the_users_own_checkpointing() -> None:
     model = make_llama(layers=2)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -59,7 +63,7 @@ def test_checkpointing_effect_restores_the_users_own_checkpointing() -> None:
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
 
 
-# Bug (_checkpointing.py _enable_generic disable): undo deletes the block's instance `forward` attribute, so a
+# Bug (the checkpointing effect, other models, its undo): it deleted the block's instance `forward` attribute, so a
 # forward the block already had as an instance attribute (a wrapper, an accelerate-style hook) is lost for good.
 def test_generic_checkpointing_undo_keeps_an_existing_instance_forward() -> None:
     model = _Blocks()
@@ -76,8 +80,8 @@ def test_generic_checkpointing_undo_keeps_an_existing_instance_forward() -> None
     assert vars(model.blocks[0]).get("forward") is doubled
 
 
-# Bug (_effects.py Effects.forward): activation offload keeps only the storages parameters have when the forward
-# starts; a streamed (layer-offloaded) block's weights get their device storage later, so every weight it saves
+# Bug (activation offload beside layer offload): activation offload kept only the storages parameters have when the
+# forward starts; a streamed (layer-offloaded) block's weights get their device storage later, so every weight it saves
 # for backward is copied to the host and back to the device in backward (a second device copy of the weights).
 def test_activation_offload_does_not_copy_streamed_weights() -> None:
     model = make_llama(layers=2)
@@ -111,9 +115,9 @@ def test_activation_offload_does_not_copy_streamed_weights() -> None:
     assert copied == []
 
 
-# Bug (_transaction.py OptimizerTransaction._bound): the step's transient-memory bound is kept across plan changes.
-# Measured while the offloaded layers' optimizer ran on the host, it is far too small once the plan is relaxed and
-# that state is back on the device: the fast (unjournaled) path is taken, the foreach AdamW step runs out of memory
+# Bug (the optimizer step's transaction, relaxing a plan): the step's transient-memory bound was kept across plan
+# changes. Measured while the offloaded layers' optimizer ran on the host, it is far too small once the plan is relaxed
+# and that state is back on the device: the fast (unjournaled) path is taken, the foreach AdamW step runs out of memory
 # after changing the moments in place, and the call dies with StepRollbackError instead of falling back.
 @pytest.mark.parametrize("capacity", [3_050_000, 3_100_000])
 def test_relaxing_the_plan_does_not_reuse_a_host_side_step_bound(capacity: int) -> None:
@@ -134,11 +138,11 @@ def test_relaxing_the_plan_does_not_reuse_a_host_side_step_bound(capacity: int) 
     assert result.step == 2
 
 
-# Bug (_offload.py LayerOffloader + _effects.py autocast): under amp each streamed weight is cast to bf16/fp16; the
-# autocast cache kept that copy until the forward ended, so releasing the fp32 storage freed none of it. Fixed by
-# turning the cache off while layers are offloaded. The cast copy a linear layer saves for backward kept them too
-# (TinyLlama at micro-batch 1: bf16 + layer offload peaked at 6.5 GiB, fp32 at 5.7): such copies are now made again
-# from the weight in backward (saved_tensor_hooks in _offload.py), with or without activation offload.
+# Bug (layer offload under amp): under amp each streamed weight is cast to bf16/fp16; the autocast cache kept that copy
+# until the forward ended, so releasing the fp32 storage freed none of it. Fixed by turning the cache off while layers
+# are offloaded. The cast copy a linear layer saves for backward kept them too (TinyLlama at micro-batch 1: bf16 + layer
+# offload peaked at 6.5 GiB, fp32 at 5.7): such copies are now made again from the weight in backward
+# (saved_tensor_hooks in the layer-offload effect), with or without activation offload.
 @pytest.mark.parametrize("activation_offload", [True, False], ids=["with activation offload", "layer offload alone"])
 def test_layer_offload_under_amp_does_not_keep_cast_weights_of_every_block(activation_offload: bool) -> None:
     def held_after_forward(plan: Plan) -> int:

@@ -1,0 +1,64 @@
+"""The layer_offload rung: the parameters, gradients and optimizer state of 1, 2, 4 ... blocks in host memory,
+streamed to the device while in use.
+
+Exact; its effect is :class:`~oomguard._effects.layers.LayerOffloadEffect`. Offloaded blocks keep fp32 weights
+and state on the host whole, so it ends 8-bit storage; master weights end by the plan's own rule
+(:func:`~oomguard._ladder.plan.keeps_master_weights`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+from oomguard._effects.layers import LayerOffloadEffect
+from oomguard._ladder.plan import EVERY_PHASE, Phase, Plan
+from oomguard._ladder.rungs import Rung, RungContext, Trade
+
+__all__ = ["LayerOffload"]
+
+
+@dataclass(frozen=True)
+class LayerOffload(Rung):
+    """Keep the parameters, gradients and optimizer state of 1, 2, 4 ... blocks (up to all) in host memory."""
+
+    name: str = "layer_offload"
+    relieves: frozenset[Phase] = EVERY_PHASE
+
+    field: ClassVar[str] = "offload_layers"
+    after: ClassVar[str] = "optimizer_offload"
+    trade: ClassVar[Trade] = "off_or_level"
+    ends: ClassVar[Mapping[str, int]] = {"quantized_optimizer": 0, "quantized_weights": 0}
+    # Its saved-tensor hook must see the copies of streamed weights before activation offload would move them to
+    # the host; optimizer offload moves back the state of the layers it restores.
+    effect_before: ClassVar[tuple[str, ...]] = ("activation_offload", "optimizer_offload")
+
+    def level(self, plan: Plan, batch_size: int) -> int:
+        return plan.offload_layers
+
+    def at_level(self, plan: Plan, level: int, batch_size: int) -> Plan:
+        return plan.replace(offload_layers=level)
+
+    def deeper(self, plan: Plan, context: RungContext) -> Plan | None:
+        if plan.offload_layers >= context.num_blocks or not context.can_offload:
+            return None
+        return plan.replace(offload_layers=min(context.num_blocks, max(1, 2 * plan.offload_layers)))
+
+    def reaches(self, plan: Plan, context: RungContext) -> bool:
+        """Any number of blocks up to all (stepping back up halves what escalation doubled: 6 -> 3), where host
+        memory is distinct from the device's."""
+        return not plan.offload_layers or (context.can_offload and plan.offload_layers <= context.num_blocks)
+
+    def describe(self, plan: Plan, batch_size: int | None) -> str | None:
+        return f"{plan.offload_layers} layer(s) offloaded" if plan.offload_layers else None
+
+    def setting(self, plan: Plan, batch_size: int) -> str:
+        return f"offload_layers={plan.offload_layers}"
+
+    def relax(self, plan: Plan, batch_size: int) -> Plan | None:
+        """Half as many blocks offloaded (4 -> 2 -> 1 -> 0), as escalation doubled them."""
+        return plan.replace(offload_layers=plan.offload_layers // 2) if plan.offload_layers else None
+
+    def effect(self) -> type[LayerOffloadEffect]:
+        return LayerOffloadEffect
