@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from oomguard._effects.chunked_loss import ChunkedLoss
+from oomguard import OOMGuard, Plan
 from oomguard.testing import SimulatedGPU
 
 
@@ -51,18 +51,19 @@ def model_and_batch(args: argparse.Namespace, device: torch.device) -> tuple[tor
     return model, {key: value.to(device) for key, value in batch.items()}
 
 
-def stepper(model: torch.nn.Module, batch: dict[str, torch.Tensor], amp: bool) -> Callable[[], float]:
-    """One training step (forward, backward, AdamW step), returning its loss."""
+def stepper(model: torch.nn.Module, batch: dict[str, torch.Tensor], amp: bool, chunked: bool) -> Callable[[], float]:
+    """One training step (forward, backward, AdamW step) through a guard held on one plan (bf16 autocast where
+    ``amp``, the chunked loss where ``chunked``: the same guard around both arms), returning its loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    device_type = next(model.parameters()).device.type
+    guard = OOMGuard(
+        lambda b: model(**b), model=model, optimizer=optimizer, ladder=["chunked_loss"], predictive=False,
+        tune_after=None, relax_after=None,
+    )  # fmt: skip
+    plan = Plan(precision="bf16" if amp else None)
+    guard.plan = plan.with_level("chunked_loss", 1) if chunked else plan
 
     def run() -> float:
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
-            loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return guard(batch).loss
 
     return run
 
@@ -103,14 +104,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     losses: dict[str, float] = {}
     for name in ("plain", "chunked"):
         model, batch = model_and_batch(args, device)
-        if name == "chunked":
-            ChunkedLoss().apply(model)
-        run = stepper(model, batch, args.amp)
+        run = stepper(model, batch, args.amp, chunked=name == "chunked")
         peaks[name] = peak_bytes(run, model, batch, device)  # (two steps: the timing below starts warm)
         model_again, _ = model_and_batch(args, device)  # a fresh copy for the first-step loss, same weights
-        if name == "chunked":
-            ChunkedLoss().apply(model_again)
-        losses[name] = stepper(model_again, batch, args.amp)()
+        losses[name] = stepper(model_again, batch, args.amp, chunked=name == "chunked")()
         arms[name] = run
     times: dict[str, list[float]] = {name: [] for name in arms}
     for index in range(args.rounds):

@@ -517,3 +517,70 @@ def test_generation_with_the_rung_on_gives_the_same_tokens() -> None:
     want = model.generate(prompt, **options)
     chunked(model)
     assert torch.equal(model.generate(prompt, **options), want)
+
+
+# -- the rung: the guard engages it, trains exactly on it, and undoes it ---------------------------------------------
+
+
+def _guarded_run(ladder: list[str] | None, capacity: int | None, batches: list[dict[str, torch.Tensor]]) -> Any:
+    """Three AdamW steps of the issue's Qwen2 under a simulated GPU of ``capacity`` (None: unguarded, roomy)."""
+    from oomguard import oom_guard
+
+    model = qwen2(vocab=32_000, hidden=64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, results = [], []
+    with SimulatedGPU(capacity or "8GiB") as gpu:
+        gpu.adopt(model)
+        if ladder is None:
+            for batch in batches:
+                loss = model(**batch).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(float(loss.detach()))
+        else:
+            train = oom_guard(model=model, optimizer=optimizer, ladder=ladder, tune_after=None)(
+                lambda batch: model(**batch)
+            )
+            for batch in batches:
+                gpu.reset_peak_memory_stats()  # (the last step's peak is the steady one)
+                results.append(train(batch))
+                losses.append(results[-1].loss)
+            train.guard.close()
+        peak = gpu.max_memory_allocated()
+    return model, losses, results, peak
+
+
+def test_the_rung_trains_the_issues_qwen2_exactly_under_half_its_plain_peak() -> None:
+    """Issue 25's case: vocabulary 32,000, hidden 64, 2 layers, tied, 4 x 256 ragged tokens, AdamW, fp32, a budget
+    of half the plain peak: one OOM, then every step on the chunked loss, as the unguarded run trains."""
+    batches = [ragged(lengths=(256, 200, 256, 130), seq=256, vocab=32_000) for _ in range(3)]
+    reference, want, _, _ = _guarded_run(None, None, batches)
+    plain = _peak(qwen2(vocab=32_000, hidden=64), batches[0])
+    model, got, results, peak = _guarded_run(["chunked_loss"], plain // 2, batches)
+    assert [r.ooms for r in results] == [1, 0, 0]
+    assert all(r.rungs == ("chunked_loss",) for r in results), [r.rungs for r in results]
+    assert "chunked loss" in results[-1].plan.describe(4)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    assert peak <= 0.4 * plain, f"the steady step peaked at {peak / plain:.2f}x the plain step"
+    assert ChunkedLoss.applies(model) is None, "closing the guard took the patches off"
+
+
+def test_the_rung_never_engages_where_it_would_not_be_exact() -> None:
+    """A custom loss (not transformers' ForCausalLMLoss): the rung is skipped and the ladder has nothing else."""
+    from oomguard import LadderExhausted, oom_guard
+
+    model = qwen2(vocab=32_000, hidden=64)
+    model.loss_function = lambda logits, labels, **kwargs: logits.float().logsumexp(-1).mean()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = ragged(lengths=(256, 200, 256, 130), seq=256, vocab=32_000)
+    train = oom_guard(model=model, optimizer=optimizer, ladder=["chunked_loss"], tune_after=None, predictive=False)(
+        lambda batch: model(**batch)
+    )
+    with SimulatedGPU(_peak(qwen2(vocab=32_000, hidden=64), batch) // 2) as gpu:
+        gpu.adopt(model)
+        with pytest.raises(LadderExhausted):
+            train(batch)
+    assert "forward" not in vars(model.lm_head), "the head was never patched"
