@@ -5,6 +5,7 @@ from oomguard._ladder.rungs import register
 from oomguard._rungs.activation_offload import ActivationOffload
 from oomguard._rungs.amp import Amp
 from oomguard._rungs.checkpointing import Checkpointing
+from oomguard._rungs.chunked_loss import ChunkedLoss
 from oomguard._rungs.layer_offload import LayerOffload
 from oomguard._rungs.micro_batch import MicroBatch
 from oomguard._rungs.optimizer_offload import OptimizerOffload
@@ -15,6 +16,7 @@ __all__ = [
     "ActivationOffload",
     "Amp",
     "Checkpointing",
+    "ChunkedLoss",
     "LayerOffload",
     "MicroBatch",
     "OptimizerOffload",
@@ -30,3 +32,4 @@ register(OptimizerOffload)
 register(LayerOffload)
 register(QuantizedOptimizer)
 register(QuantizedWeights)
+register(ChunkedLoss)  # (last: placed right after micro_batch, ahead of amp, which follows micro_batch too)
