@@ -246,9 +246,7 @@ class OOMGuard:
         size = batch_size(batch)
         choice = Choice(step_call.choice.bucket, plan)
         call = self._loop.call(batch, size, step_call.backend, choice, items_per_sample(batch, size), step_call.step)
-        attempt = Run(self._runner, call, step=False, reduction=reduction)
-        gradients = attempt.gradients(plan)
-        outcome = gradients if isinstance(gradients, AttemptFailure) else attempt.commit(gradients)
+        outcome = self._runner.attempt(batch, size, plan, call.backend, step=False, reduction=reduction)
         if isinstance(outcome, AttemptFailure):
             raise ReplayFailed(outcome)
         self._learn(call, outcome)

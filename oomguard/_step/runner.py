@@ -133,13 +133,19 @@ class StepRunner:
         step: bool = True,
         reduction: Reduction | None = None,
     ) -> AttemptOutput:
-        """:meth:`gradients` then :meth:`commit`, raising the error of a failed attempt (the dry-run planner's
-        way to run a step: nothing holds signals around a step of fake tensors)."""
-        gradients = self.gradients(batch, size, plan, backend, step=step, reduction=reduction)
-        outcome = gradients if isinstance(gradients, AttemptFailure) else self.commit(gradients)
+        """:meth:`attempt`, raising the error of a failed one (the dry-run planner's way to run a step: nothing
+        holds signals around a step of fake tensors)."""
+        outcome = self.attempt(batch, size, plan, backend, step=step, reduction=reduction)
         if isinstance(outcome, AttemptFailure):
             raise outcome.error
         return outcome
+
+    def attempt(
+        self, batch: Any, size: int, plan: Plan, backend: MemoryBackend, *, step: bool, reduction: Reduction | None
+    ) -> AttemptOutput | AttemptFailure:
+        """:meth:`gradients` then :meth:`commit`, in one call (where nothing needs to come between the two)."""
+        gradients = self.gradients(batch, size, plan, backend, step=step, reduction=reduction)
+        return gradients if isinstance(gradients, AttemptFailure) else self.commit(gradients)
 
     def gradients(
         self,
