@@ -19,6 +19,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,10 @@ from oomguard.planner import measure_speed, preplan
 from oomguard.testing import DemoConfig, SimulatedGPU, demo_model, format_bytes, parse_bytes, stdlib_text, text_batches
 
 CONFIG = DemoConfig(batch_size=8, seq_len=256, hidden_size=128, layers=4)
+CHUNKED = Plan().with_level("chunked_loss", 1)
 PLANS: list[tuple[str, Plan]] = [
     ("plain step", Plan()),
+    ("chunked_loss", CHUNKED),
     ("micro_batch (x4)", Plan(micro_batch_size=2)),
     ("amp (bf16)", Plan(precision="bf16")),
     ("checkpointing (partial)", Plan(checkpointing="partial")),
@@ -39,6 +42,43 @@ PLANS: list[tuple[str, Plan]] = [
     ("activation_offload", Plan(activation_offload=True)),
     ("optimizer_offload", Plan(optimizer_offload=True)),
     ("layer_offload (all 4 layers)", Plan(offload_layers=4)),
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model and batch shape the rungs are measured on."""
+
+    title: str
+    build: Callable[[], torch.nn.Module]
+    batch_size: int
+    seq_len: int
+
+    def batches(self, seed: int) -> Iterator[dict[str, torch.Tensor]]:
+        return text_batches(stdlib_text(), self.batch_size, self.seq_len, seed=seed)
+
+
+def big_vocabulary() -> torch.nn.Module:
+    """Issue 25's case: a Qwen2 whose vocabulary (32,000) dwarfs its layers (hidden 64, 2 layers, tied)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=32_000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    model: torch.nn.Module = Qwen2ForCausalLM(config)
+    return model
+
+
+DEMO = Case(f"Llama hidden {CONFIG.hidden_size} x {CONFIG.layers} layers, vocabulary 256", lambda: demo_model(CONFIG),
+            CONFIG.batch_size, CONFIG.seq_len)  # fmt: skip
+BIG_VOCABULARY = Case("Qwen2 hidden 64 x 2 layers, vocabulary 32,000, tied", big_vocabulary, 4, 256)
+VOCABULARY_PLANS: list[tuple[str, Plan]] = [
+    ("plain step", Plan()),
+    ("chunked_loss", CHUNKED),
+    ("micro_batch (x4)", Plan(micro_batch_size=1)),
+    ("amp (bf16)", Plan(precision="bf16")),
+    ("checkpointing (full)", Plan(checkpointing="full")),
+    ("chunked_loss + amp (bf16)", CHUNKED.replace(precision="bf16")),
 ]
 
 
@@ -66,17 +106,17 @@ class _Run:
         return sum(-(-nbytes // 512) * 512 for nbytes in storages.values())
 
 
-def measure_plans(plans: list[tuple[str, Plan]], rounds: int) -> list[dict[str, Any]]:
+def measure_plans(plans: list[tuple[str, Plan]], rounds: int, case: Case = DEMO) -> list[dict[str, Any]]:
     """Peak and median step time of each plan, the plans interleaved round by round, and its step time as the
     planner's device model predicts it (measured on this machine, as the guard's tuning does)."""
-    batches = text_batches(stdlib_text(), CONFIG.batch_size, CONFIG.seq_len, seed=3)
+    batches = case.batches(seed=3)
     runs = []
     for name, plan in plans:
-        model = demo_model(CONFIG)
+        model = case.build()
         guard = _guard(model, ladder=[])
         guard.plan = plan
         runs.append(_Run(name, plan, model, guard))
-    predicted = _predicted([plan for _, plan in plans])
+    predicted = _predicted([plan for _, plan in plans], case)
     with SimulatedGPU("4GiB") as gpu:
         for run in runs:
             gpu.adopt(run.model)
@@ -96,7 +136,7 @@ def measure_plans(plans: list[tuple[str, Plan]], rounds: int) -> list[dict[str, 
         {
             "name": run.name,
             "plan": run.plan.to_dict(),
-            "description": run.plan.describe(CONFIG.batch_size),
+            "description": run.plan.describe(case.batch_size),
             "peak_bytes": run.peak,
             "step_s": statistics.median(run.times),
             "predicted_s": predicted[run.plan],
@@ -106,10 +146,10 @@ def measure_plans(plans: list[tuple[str, Plan]], rounds: int) -> list[dict[str, 
     ]
 
 
-def _predicted(plans: list[Plan]) -> dict[Plan, float]:
+def _predicted(plans: list[Plan], case: Case) -> dict[Plan, float]:
     """Each plan's step time by the planner's device model, this machine's speed measured."""
-    batch = next(text_batches(stdlib_text(), CONFIG.batch_size, CONFIG.seq_len, seed=3))
-    model = demo_model(CONFIG)
+    batch = next(case.batches(seed=3))
+    model = case.build()
     guard = _guard(model)
     with SimulatedGPU("4GiB") as gpu:
         gpu.adopt(model)
@@ -186,6 +226,7 @@ def table(rows: list[dict[str, Any]], versus: str = "plain") -> str:
 def run(budget: int, steps: int, rounds: int) -> dict[str, Any]:
     """Every measurement of this benchmark, as JSON-ready data."""
     rungs = measure_plans(PLANS, rounds)
+    vocabulary = measure_plans(VOCABULARY_PLANS, rounds, BIG_VOCABULARY)
     settled = settle(budget, steps)
     fitting = measure_plans(fitting_plans(budget), rounds)
     kept = next((row for row in fitting if row["plan"] == settled["plan"]), None)
@@ -194,14 +235,16 @@ def run(budget: int, steps: int, rounds: int) -> dict[str, Any]:
     fastest = min(row["step_s"] for row in fitting)
     settled["step_s"], settled["fastest_over_settled"] = kept["step_s"], fastest / kept["step_s"]
     meta = {
-        "model": f"Llama hidden {CONFIG.hidden_size} x {CONFIG.layers} layers, AdamW",
+        "model": f"{DEMO.title}, AdamW",
+        "vocabulary_model": f"{BIG_VOCABULARY.title}, AdamW",
+        "vocabulary_batch": f"{BIG_VOCABULARY.batch_size} x {BIG_VOCABULARY.seq_len} tokens",
         "batch": f"{CONFIG.batch_size} x {CONFIG.seq_len} tokens",
         "machine": f"{platform.machine()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}",
         "date": time.strftime("%Y-%m-%d"),
         "rounds": rounds,
         "steps": steps,
     }
-    return {"meta": meta, "rungs": rungs, "fitting": fitting, "settled": settled}
+    return {"meta": meta, "rungs": rungs, "vocabulary": vocabulary, "fitting": fitting, "settled": settled}
 
 
 def render(data: dict[str, Any]) -> str:
@@ -215,6 +258,11 @@ def render(data: dict[str, Any]) -> str:
         "Each rung alone, no budget:",
         "",
         table(data["rungs"]),
+        "",
+        f"Where the loss fills the device ({meta['vocabulary_model']}, batch {meta['vocabulary_batch']}), each rung "
+        f"alone, no budget:",
+        "",
+        table(data["vocabulary"]),
         "",
         f"Every configuration of micro-batch size x precision x checkpointing x activation offload that fits "
         f"{budget}, each at its largest fitting micro-batch (as the planner's search finds them):",

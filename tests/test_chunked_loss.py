@@ -522,8 +522,11 @@ def test_generation_with_the_rung_on_gives_the_same_tokens() -> None:
 # -- the rung: the guard engages it, trains exactly on it, and undoes it ---------------------------------------------
 
 
-def _guarded_run(ladder: list[str] | None, capacity: int | None, batches: list[dict[str, torch.Tensor]]) -> Any:
-    """Three AdamW steps of the issue's Qwen2 under a simulated GPU of ``capacity`` (None: unguarded, roomy)."""
+def _guarded_run(
+    ladder: list[str] | None, capacity: int | None, batches: list[dict[str, torch.Tensor]], default: bool = False
+) -> Any:
+    """Three AdamW steps of the issue's Qwen2 under a simulated GPU of ``capacity`` (None: unguarded, roomy),
+    guarded with ``ladder`` (or the default ladder, ``default=True``), unguarded if neither."""
     from oomguard import oom_guard
 
     model = qwen2(vocab=32_000, hidden=64)
@@ -531,7 +534,7 @@ def _guarded_run(ladder: list[str] | None, capacity: int | None, batches: list[d
     losses, results = [], []
     with SimulatedGPU(capacity or "8GiB") as gpu:
         gpu.adopt(model)
-        if ladder is None:
+        if ladder is None and not default:
             for batch in batches:
                 loss = model(**batch).loss
                 loss.backward()
@@ -566,6 +569,22 @@ def test_the_rung_trains_the_issues_qwen2_exactly_under_half_its_plain_peak() ->
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
     assert peak <= 0.4 * plain, f"the steady step peaked at {peak / plain:.2f}x the plain step"
     assert ChunkedLoss.applies(model) is None, "closing the guard took the patches off"
+
+
+def test_the_default_ladder_settles_the_issues_qwen2_on_the_chunked_loss_without_offloading() -> None:
+    """Issue 25's case with the default ladder: at most two OOMs, then a plan with the chunked loss and neither
+    optimizer nor layer offload, training as the unguarded run does."""
+    batches = [ragged(lengths=(256, 200, 256, 130), seq=256, vocab=32_000) for _ in range(3)]
+    reference, want, _, _ = _guarded_run(None, None, batches)
+    plain = _peak(qwen2(vocab=32_000, hidden=64), batches[0])
+    model, got, results, _ = _guarded_run(ladder=None, capacity=plain // 2, batches=batches, default=True)
+    assert sum(r.ooms for r in results) <= 2 and results[-1].ooms == 0, [r.ooms for r in results]
+    settled = results[-1].plan
+    assert settled.level("chunked_loss") == 1, settled.describe(4)
+    assert not settled.optimizer_offload and not settled.offload_layers, settled.describe(4)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
 
 
 def test_the_rung_never_engages_where_it_would_not_be_exact() -> None:

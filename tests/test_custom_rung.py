@@ -359,7 +359,7 @@ def test_a_new_built_in_rung_is_one_module_and_one_registration_line(
     """Issue 24: with no edit elsewhere, the default ladder places it where it says, the guard escalates to it and
     its effect pins the hook, events, summary, report and state file name it, stepping back up unpins it, and the
     planner's search trades it."""
-    assert resolve_ladder(None).names[:3] == ("micro_batch", "pinned_hook", "amp"), "placed after micro_batch"
+    assert resolve_ladder(None).names[1:4] == ("micro_batch", "pinned_hook", "amp"), "placed after micro_batch"
     model = make_mlp()
     log, state = tmp_path / "events.jsonl", tmp_path / "plans.json"
     guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -416,10 +416,10 @@ def test_the_registry_places_each_rung_after_its_neighbour_and_applies_what_it_e
     register(Late)
     register(Early)
     try:
-        # (right behind micro_batch, ahead of the built-in rungs that follow it too: chunked_loss, amp)
-        assert (BUILTIN_RUNGS[:2], BUILTIN_RUNGS[-1]) == (("micro_batch", "early"), "late")
+        # (right behind micro_batch, ahead of amp, the built-in rung that follows it too)
+        assert (BUILTIN_RUNGS[1:3], BUILTIN_RUNGS[-1]) == (("micro_batch", "early"), "late")
         assert (
-            resolve_ladder(None).names[:3] == ("micro_batch", "early", "amp")
+            resolve_ladder(None).names[1:4] == ("micro_batch", "early", "amp")
             and "late" not in resolve_ladder(None).names
         )
         context, early = RungContext(batch_size=8), Plan().with_level("early", 1)
@@ -437,4 +437,4 @@ def test_the_registry_places_each_rung_after_its_neighbour_and_applies_what_it_e
     finally:
         unregister("early")
         unregister("late")
-    assert "early" not in BUILTIN_RUNGS and resolve_ladder(None).names[1] == "amp"
+    assert "early" not in BUILTIN_RUNGS and resolve_ladder(None).names[2] == "amp"

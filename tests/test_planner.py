@@ -163,7 +163,7 @@ def test_the_text_answer_shows_every_plan_tried(capsys: pytest.CaptureFixture[st
                    "--target", "simulated"])  # fmt: skip
     out = capsys.readouterr().out
     assert status == 0 and "| whole batch (baseline) |" in out and "| no (runs out in forward) |" in out
-    assert "Recommended: micro-batches of " in out and "(rungs: micro_batch)" in out
+    assert "Recommended: micro-batches of " in out and "(rungs: chunked_loss, micro_batch)" in out
 
 
 def test_when_nothing_fits_the_answer_says_so() -> None:

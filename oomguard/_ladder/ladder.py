@@ -153,7 +153,7 @@ def resolve_ladder(spec: Iterable[str | Rung] | None) -> Ladder:
     """Build a ladder from rung names and rung objects; ``None`` gives the default order.
 
     >>> resolve_ladder(None).names
-    ('micro_batch', 'amp', 'checkpointing', 'activation_offload', 'optimizer_offload', 'layer_offload')
+    ('chunked_loss', 'micro_batch', 'amp', 'checkpointing', 'activation_offload', 'optimizer_offload', 'layer_offload')
     """
     if spec is None:
         spec = registry.default_ladder()

@@ -72,11 +72,10 @@ class ChunkedLoss(Rung):
     name: str = "chunked_loss"
     relieves: frozenset[Phase] = ACTIVATION_PHASES
 
-    # Right after micro-batching: exact and nearly free (the head's product runs once, its gradients made in the
-    # forward), and for a big vocabulary it relieves more than any rung after it. Opt-in for now (listed in
-    # ladder=[...]): its place in the default ladder waits for its measured row in benchmarks/ladder.py.
-    after: ClassVar[str] = "micro_batch"
-    opt_in: ClassVar[bool] = True
+    # The first rung, ahead of micro-batching: exact and nearly free (the head's product runs once, its gradients
+    # made in the forward; the batch stays whole, so the device's throughput does too), and for a big vocabulary
+    # it relieves more than any other rung (benchmarks/ladder.py's row). Where it does not apply it is skipped.
+    after: ClassVar[None] = None
     trade: ClassVar[Trade] = "levels"
 
     def deeper(self, plan: Plan, context: RungContext) -> Plan | None:
