@@ -92,19 +92,21 @@ def test_the_ladder_reaches_master_weights_where_fp32_weights_do_not_fit() -> No
     assert guard.summary().fallbacks.get("optimizer_offload", 0) >= 1
 
 
+def _planned(capacity: int, plans: list[Plan] | None = None) -> Any:
+    """The dry run of one short sequence of a clipped Llama (its weights, not its activations, set the peak)."""
+    with FakeTensorMode():
+        model = make_llama(layers=2, hidden=64)
+        return dry_run(
+            model_step(model), lm_batch(1, 4), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+            capacity=capacity, target="simulated", label="llama", plans=plans, max_grad_norm=1.0,
+        )  # fmt: skip
+
+
 def test_the_planner_measures_master_weights_instead_of_offloaded_layers() -> None:
     """One short sequence, clipped: fp32 weights and gradients alone exceed the budget in the clipping phase, so
     the walk goes from the state offloaded to offloaded layers (mixed precision does not relieve them); the
     planner also measures the master level, which fits, moves less and is predicted faster."""
-
-    def planned(capacity: int, plans: list[Plan] | None = None) -> Any:
-        with FakeTensorMode():
-            model = make_llama(layers=2, hidden=64)
-            return dry_run(
-                model_step(model), lm_batch(1, 4), model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                capacity=capacity, target="simulated", label="llama", plans=plans, max_grad_norm=1.0,
-            )  # fmt: skip
-
+    planned = _planned
     state, master = (c.peak_bytes for c in planned(2**40, [STATE, MASTER]).candidates)
     report = planned((state + master) // 2)
     assert any(c.plan.offload_layers and c.fits for c in report.candidates), "the walk ended on offloaded layers"
@@ -112,6 +114,17 @@ def test_the_planner_measures_master_weights_instead_of_offloaded_layers() -> No
     assert report.recommended == fitting.plan
     layers = [c for c in report.candidates if c.plan.offload_layers and c.fits]
     assert all(fitting.transfer_bytes < c.transfer_bytes for c in layers)
+
+
+def test_the_planner_measures_master_weights_where_the_walk_ends_on_offloaded_state() -> None:
+    """A budget the state's level just fits in fp32 (amp does not relieve the clipping phase): the walk stops there,
+    yet the master level, a third of its traffic a step, is measured too and recommended."""
+    fp32_state = Plan(optimizer_offload=True)
+    state = next(c for c in _planned(2**40, [fp32_state]).candidates)
+    report = _planned(state.peak_bytes + 1024)
+    fits = {c.plan: c for c in report.candidates if c.fits}
+    assert fp32_state in fits and not any(plan.offload_layers for plan in fits), "the walk ended on the state's level"
+    assert report.recommended == MASTER and fits[MASTER].transfer_bytes < fits[fp32_state].transfer_bytes
 
 
 def test_the_master_level_is_offered_only_where_it_can_run() -> None:

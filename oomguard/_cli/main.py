@@ -67,7 +67,7 @@ def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--ladder",
         default=None,
         help="the guard's rungs, comma-separated, in order (default: the default ladder; add the opt-in "
-        "chunked_loss, quantized_optimizer or quantized_weights to plan with them)",
+        "quantized_optimizer or quantized_weights to plan with them)",
     )
     plan.add_argument(
         "--lora-rank",

@@ -10,7 +10,8 @@ memory.
 It walks the guard's ladder from the plain step: a plan that does not fit is followed by the plan the guard
 would try next after an OOM in the same phase, with micro-batch sizes predicted from the peaks measured so
 far, until one fits, then looks for the largest micro-batch that still fits in that configuration. Where that
-ends on offloaded layers it walks again from bf16 weights with fp32 masters on the host (see
+ends on offloaded layers or offloaded optimizer state it walks again from bf16 weights with fp32 masters on the
+host (see
 :func:`_master_weights_instead`). Of the fitting plans measured, the one the device model
 (:mod:`oomguard._planner.speed`) predicts fastest is the recommendation. Each measured step runs after a
 warm-up step, so the optimizer state is resident as in any step but the first.
@@ -182,7 +183,7 @@ def _measure(
     bf16: bool,
 ) -> None:
     """What :func:`dry_run` measures: ``plans``, then the search around ``search_around``, or else the walk down
-    ``ladder`` (and on from master weights instead of offloaded layers, where bf16 is measured)."""
+    ``ladder`` (and on from master weights instead of offloaded layers or state, where bf16 is measured)."""
     size = context.batch_size
     for given in plans or ():
         bench.measure(given)
@@ -297,15 +298,17 @@ def _walk(bench: _Bench, ladder: Ladder, context: RungContext, start: Plan | Non
 
 
 def _master_weights_instead(tried: list[Candidate], ladder: Ladder, context: RungContext) -> Plan | None:
-    """Where the walk ended on offloaded layers: the same plan with bf16 weights on the device and fp32 masters
-    on the host instead (optimizer_offload's second level), to walk on from; None where the ladder cannot.
+    """Where the walk ended on offloaded layers or on offloaded optimizer state: the same plan with bf16 weights on
+    the device and fp32 masters on the host instead (optimizer_offload's second level), to walk on from; None
+    where the ladder cannot.
 
     The walk from the plain plan meets layer offload before mixed precision (resident state is not what amp
     relieves), and the master level needs amp; yet it halves the weights on the device and moves a fraction of
-    what streaming layers moves.
+    what streaming layers moves. And the walk stops at the state's level, which fits: yet each of its steps moves
+    fp32 gradients and weights both ways (12 bytes a parameter), the master level 4.
     """
     fitting = next((c.plan for c in reversed(tried) if c.fits), None)
-    if fitting is None or not fitting.offload_layers:
+    if fitting is None or not (fitting.offload_layers or fitting.optimizer_offload is True):
         return None
     master = fitting.replace(offload_layers=0, optimizer_offload="master", precision="bf16")
     rungs = {rung.name: rung for rung in ladder.known}
