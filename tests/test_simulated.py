@@ -685,7 +685,7 @@ def test_fail_host_allocation_fails_the_next_host_allocation_once() -> None:
         x = torch.randn(100)
         gpu.fail_host_allocation(2)
         first = gpu.to_host(x)
-        with pytest.raises(MemoryError, match="host memory.*injected"):
+        with pytest.raises(MemoryError, match=r"host memory.*injected"):
             gpu.to_host(x)
         assert gpu.to_host(x).shape == first.shape  # once only
         with pytest.raises(ValueError, match="n >= 1"):

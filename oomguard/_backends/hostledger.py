@@ -38,7 +38,7 @@ def _release(ledger: weakref.ref[HostLedger], key: int) -> None:
 def host_oom(nbytes: int, in_use: int, limit: int) -> MemoryError:
     """The error the simulated host raises past its limit: what was asked, what is in use, the limit."""
     return MemoryError(
-        f"host memory exhausted: tried to allocate {format_bytes(nbytes)} of host memory with "
+        f"host memory exhausted. Tried to allocate {format_bytes(nbytes)} of host memory with "
         f"{format_bytes(in_use)} in use, past the host limit of {format_bytes(limit)} (simulated by "
         f"oomguard.testing.SimulatedGPU(host_capacity=...); on a real machine the kernel's OOM killer would end "
         f"the process here)"

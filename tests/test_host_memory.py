@@ -1,0 +1,132 @@
+"""Host memory, the guard's second budget: how much of it the guard may use (``host_memory=``, the OS's figure
+with a container's cgroup limit, a simulated host's limit), and what happens when a host allocation fails."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers.models import make_mlp
+from helpers.steps import mse_step
+
+from oomguard import GuardConfigError, OOMGuard
+from oomguard._backends import host
+from oomguard._backends.host import HOST_MARGIN_MIN_BYTES, available_host_memory, host_budget
+from oomguard._backends.units import GiB
+from oomguard.testing import SimulatedGPU
+
+DEFAULT = SimpleNamespace(host_bytes=None)  # the options of a guard given no host_memory=
+
+
+def fake_machine(root: Path, available: int | None = None, cgroup: str | None = None, **files: str) -> Path:
+    """A fake ``/`` under ``root``: ``/proc/meminfo`` with ``available`` bytes, ``/proc/self/cgroup`` with
+    ``cgroup``, and each of ``files`` (a path below ``/sys/fs/cgroup``, ``__`` for ``/``) with its text."""
+    (root / "proc" / "self").mkdir(parents=True)
+    if available is not None:
+        (root / "proc" / "meminfo").write_text(
+            f"MemTotal: {4 * available // 1024} kB\nMemFree: 1024 kB\nMemAvailable: {available // 1024} kB\n"
+        )
+    if cgroup is not None:
+        (root / "proc" / "self" / "cgroup").write_text(cgroup)
+    for name, text in files.items():
+        path = root / "sys" / "fs" / "cgroup" / name.replace("__", "/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_the_default_budget_is_what_the_os_says_is_available_less_a_tenth_or_1_gib(tmp_path: Path) -> None:
+    big = fake_machine(tmp_path / "big", available=32 * GiB)
+    assert available_host_memory(big) == 32 * GiB
+    assert host_budget(DEFAULT, None, big) == 32 * GiB - int(3.2 * GiB), "a tenth of a large machine's"
+    small = fake_machine(tmp_path / "small", available=4 * GiB)
+    assert host_budget(DEFAULT, None, small) == 3 * GiB, "at least 1 GiB left free"
+    tiny = fake_machine(tmp_path / "tiny", available=HOST_MARGIN_MIN_BYTES // 2)
+    assert host_budget(DEFAULT, None, tiny) == 0, "nothing to offload into, rather than a negative budget"
+
+
+def test_a_cgroup_v2_limit_inside_a_container_caps_the_budget(tmp_path: Path) -> None:
+    limited = fake_machine(
+        tmp_path / "v2",
+        available=64 * GiB,
+        cgroup="0::/\n",
+        **{"cgroup.controllers": "cpu memory", "memory.max": str(8 * GiB), "memory.current": str(2 * GiB)},
+    )
+    assert available_host_memory(limited) == 6 * GiB, "the container's headroom, not the machine's"
+    unlimited = fake_machine(
+        tmp_path / "max", available=64 * GiB, cgroup="0::/\n", **{"cgroup.controllers": "memory", "memory.max": "max"}
+    )
+    assert available_host_memory(unlimited) == 64 * GiB
+
+
+def test_the_tightest_cgroup_v2_level_above_the_process_caps_the_budget(tmp_path: Path) -> None:
+    nested = fake_machine(
+        tmp_path / "nested",
+        available=64 * GiB,
+        cgroup="0::/slice/job\n",
+        **{
+            "cgroup.controllers": "memory",
+            "slice__memory.max": str(5 * GiB),  # the parent's limit applies to every child
+            "slice__memory.current": str(1 * GiB),
+            "slice__job__memory.max": "max",
+            "slice__job__memory.current": str(1 * GiB),
+        },
+    )
+    assert available_host_memory(nested) == 4 * GiB
+
+
+def test_a_cgroup_v1_limit_caps_the_budget_and_its_no_limit_value_does_not(tmp_path: Path) -> None:
+    limited = fake_machine(
+        tmp_path / "v1",
+        available=64 * GiB,
+        cgroup="5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n",
+        **{
+            "memory__docker__abc__memory.limit_in_bytes": str(10 * GiB),
+            "memory__docker__abc__memory.usage_in_bytes": str(7 * GiB),
+        },
+    )
+    assert available_host_memory(limited) == 3 * GiB
+    unlimited = fake_machine(
+        tmp_path / "v1-none",
+        available=64 * GiB,
+        cgroup="5:memory:/\n",
+        **{"memory__memory.limit_in_bytes": "9223372036854771712", "memory__memory.usage_in_bytes": str(GiB)},
+    )
+    assert available_host_memory(unlimited) == 64 * GiB
+
+
+def test_without_proc_psutil_says_and_without_either_the_budget_is_unknown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bare = tmp_path / "mac"
+    bare.mkdir()
+    monkeypatch.setattr(host, "_psutil_available", lambda: 12 * GiB)
+    assert available_host_memory(bare) == 12 * GiB
+    monkeypatch.setattr(host, "_psutil_available", lambda: None)
+    assert available_host_memory(bare) is None and host_budget(DEFAULT, None, bare) is None
+
+
+def test_host_memory_is_the_budget_as_given_and_a_simulated_host_is_its_own(tmp_path: Path) -> None:
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert OOMGuard(mse_step(model), model=model, optimizer=optimizer, host_memory="16GiB").host_budget == 16 * GiB
+    guard = OOMGuard(mse_step(model), model=model, optimizer=optimizer)
+    with SimulatedGPU("1MiB", host_capacity="3MiB"):
+        assert guard.host_budget == 3 * 2**20
+        guard((torch.randn(4, 16), torch.randn(4)))  # the first call fixes it
+    assert guard.host_budget == 3 * 2**20, "resolved once, at the first call"
+    with SimulatedGPU("1MiB"):
+        assert guard.host_budget == 3 * 2**20
+        unlimited = OOMGuard(mse_step(model), model=model, optimizer=optimizer)
+        assert unlimited.host_budget is None, "a simulated host without host_capacity has no limit"
+    unlimited.close()
+    guard.close()
+
+
+@pytest.mark.parametrize("bad", ["lots", -1, 0, 1.5])
+def test_a_host_memory_that_is_no_size_is_refused_clearly(bad: object) -> None:
+    model = make_mlp()
+    with pytest.raises(GuardConfigError, match=r"host_memory=.*'16GiB'"):
+        OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters()), host_memory=bad)
