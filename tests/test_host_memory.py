@@ -3,18 +3,23 @@ with a container's cgroup limit, a simulated host's limit), and what happens whe
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
+from helpers.batches import tuple_batch
 from helpers.models import make_mlp
 from helpers.steps import mse_step
 
-from oomguard import GuardConfigError, OOMGuard
+from oomguard import GuardConfigError, HostMemoryError, OOMGuard, Plan, oom_guard
 from oomguard._backends import host
 from oomguard._backends.host import HOST_MARGIN_MIN_BYTES, available_host_memory, host_budget
+from oomguard._backends.memory import CudaMemory
 from oomguard._backends.units import GiB
+from oomguard._detect import is_device_oom, is_host_oom
 from oomguard.testing import SimulatedGPU
 
 DEFAULT = SimpleNamespace(host_bytes=None)  # the options of a guard given no host_memory=
@@ -130,3 +135,92 @@ def test_a_host_memory_that_is_no_size_is_refused_clearly(bad: object) -> None:
     model = make_mlp()
     with pytest.raises(GuardConfigError, match=r"host_memory=.*'16GiB'"):
         OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters()), host_memory=bad)
+
+
+# -- a host allocation that fails is host memory: not escalated, nothing committed ---------------------------------
+
+WIDTH = 256  # an MLP of 4609 parameters: 18,436 bytes of fp32 weights
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def snapshot_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], Any]:
+    """The weights and the optimizer's state, copied: what a call that commits nothing leaves as it found."""
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(optimizer.state_dict())
+
+
+def assert_unchanged(model: torch.nn.Module, optimizer: torch.optim.Optimizer, before: tuple[list[Any], Any]) -> None:
+    weights, state = before
+    for p, q in zip(model.parameters(), weights, strict=True):
+        assert torch.equal(p, q)
+    now = optimizer.state_dict()
+    assert now["state"].keys() == state["state"].keys()
+    for key, entry in state["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(torch.as_tensor(now["state"][key][name]), torch.as_tensor(value)), (key, name)
+
+
+def test_host_memory_running_out_under_optimizer_offload_raises_host_memory_error_and_commits_nothing() -> None:
+    model = make_mlp(width=WIDTH)
+    optimizer = torch.optim.Adam(model.parameters())
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=["optimizer_offload", "layer_offload"])
+    before = snapshot_of(model, optimizer)
+    host = weights_bytes(model)  # one copy of the weights: the step journal fits, the host step's copies do not
+    # The device holds the weights, gradients and activations, not Adam's two moments (measured: 111,616 bytes
+    # for the plain step, 48,128 with the optimizer on the host).
+    with SimulatedGPU((111_616 + 48_128) // 2, host_capacity=host) as gpu:
+        gpu.adopt(model)
+        with pytest.raises(HostMemoryError, match=r"host memory \(RAM\) ran out") as raised:
+            step(tuple_batch(n=8))
+        assert gpu.max_host_memory_allocated() <= host
+        assert step.guard.host_budget == host
+    message = str(raised.value)
+    assert "host memory exhausted" in message and "18.0 KiB" in message, "what the host said: wanted, in use, limit"
+    assert "host_memory=" in message and "quantized_optimizer" in message, "and the fix"
+    assert isinstance(raised.value, MemoryError)
+    kinds = [(event.kind, getattr(event, "reason", None)) for event in step.guard.events if event.kind != "progress"]
+    assert kinds == [("oom", None), ("fallback", None), ("oom", None), ("exhausted", "host")], (
+        "one device OOM moved to optimizer_offload; the host's did not move on to layer_offload"
+    )
+    assert [plan.optimizer_offload for plan, _ in raised.value.tried] == [False, True]
+    assert_unchanged(model, optimizer, before)
+    assert not step.guard.effects.holds, "the offload was undone, as when the guard gives up"
+
+
+def test_a_failed_pinned_allocation_during_activation_offload_is_not_escalated_and_commits_nothing() -> None:
+    model = make_mlp(width=WIDTH)
+    optimizer = torch.optim.Adam(model.parameters())
+    ladder = ["activation_offload", "optimizer_offload", "layer_offload"]
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=ladder, relax_after=None)
+    step.guard.plan = Plan(activation_offload=True)
+    with SimulatedGPU("1MiB") as gpu:
+        gpu.adopt(model)
+        step(tuple_batch(n=8, seed=1))  # Adam's state exists: the next step's journal has it all to undo
+        before = snapshot_of(model, optimizer)
+        gpu.fail_host_allocation(1)  # the next saved activation's host buffer (a failed cudaHostAlloc)
+        with pytest.raises(HostMemoryError, match=r"host memory \(RAM\) ran out \(OOM in forward") as raised:
+            step(tuple_batch(n=8, seed=2))
+        assert [plan for plan, _ in raised.value.tried] == [Plan(activation_offload=True)], "no rung was tried next"
+        assert_unchanged(model, optimizer, before)
+        assert step(tuple_batch(n=8, seed=2)).ooms == 0, "caught, the same batch trains once the host has room"
+    assert [event.kind for event in step.guard.events if event.kind not in ("progress", "oom")] == ["exhausted"]
+
+
+def test_a_pinned_allocation_that_fails_with_cudas_words_is_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    empty = torch.empty
+
+    def no_pinned_memory(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        if pin_memory:  # what cudaHostAlloc's failure reads like: the words of a device OOM
+            raise RuntimeError("CUDA error: out of memory\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", no_pinned_memory)
+    cuda = CudaMemory(torch.device("cuda", 0))  # (its to_host pins before it touches the device)
+    with pytest.raises(MemoryError, match=r"host memory: a pinned host buffer of 4\.0 KiB") as raised:
+        cuda.to_host(torch.ones(1024))
+    assert is_host_oom(raised.value) and not is_device_oom(raised.value, separate_host=True)
+    assert isinstance(raised.value.__cause__, RuntimeError), "CUDA's own error is kept as the cause"
+    device_words = RuntimeError("CUDA error: out of memory")  # the same words from anywhere else: the device's
+    assert is_device_oom(device_words, separate_host=True) and not is_host_oom(device_words)

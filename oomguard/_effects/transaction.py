@@ -35,7 +35,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from oomguard._backends.memory import MemoryBackend
-from oomguard._detect import is_oom
+from oomguard._detect import is_device_oom, is_oom
 from oomguard._distributed.peers import Agree, peer_failure
 from oomguard._effects.interrupts import run_whole
 from oomguard._errors import StepRollbackError
@@ -223,7 +223,7 @@ class OptimizerTransaction:
         except BaseException as exc:
             undo()
             if agree is not None and isinstance(exc, Exception):
-                agree("oom" if is_oom(exc) else "fatal")
+                agree("oom" if is_device_oom(exc, separate_host=backend.offloads) else "fatal")  # (host: all stop)
             raise
         outcome = agree("ok") if agree is not None else "ok"
         if outcome != "ok":

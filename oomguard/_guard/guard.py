@@ -329,6 +329,7 @@ class OOMGuard:
         if isinstance(backend, AccountedDevice):  # (a simulated device: compiled code runs eagerly under it)
             backend.warn_if_compiled(self.model)
         self._host_budget = host_budget(self.options, backend)  # (the OS's figure once, not a moving target)
+        self._loop.host_budget = self._host_budget
         if distributed_active():
             self._runner.agreement = Agreement(self._device, self.ladder)
         rank = 0 if self._runner.agreement is None else self._runner.agreement.rank
