@@ -175,6 +175,7 @@ def test_host_memory_running_out_under_optimizer_offload_raises_host_memory_erro
         with pytest.raises(HostMemoryError, match=r"host memory \(RAM\) ran out") as raised:
             step(tuple_batch(n=8))
         assert gpu.max_host_memory_allocated() <= host
+        assert gpu.host_memory_allocated() == 0, "giving up, the guard let go of all it held on the host"
         assert step.guard.host_budget == host
     message = str(raised.value)
     assert "host memory exhausted" in message and "18.0 KiB" in message, "what the host said: wanted, in use, limit"
@@ -224,3 +225,21 @@ def test_a_pinned_allocation_that_fails_with_cudas_words_is_host_memory(monkeypa
     assert isinstance(raised.value.__cause__, RuntimeError), "CUDA's own error is kept as the cause"
     device_words = RuntimeError("CUDA error: out of memory")  # the same words from anywhere else: the device's
     assert is_device_oom(device_words, separate_host=True) and not is_host_oom(device_words)
+
+
+def test_a_step_back_up_that_runs_out_of_host_memory_goes_back_to_the_plan_that_worked() -> None:
+    model = make_mlp(width=WIDTH)
+    optimizer = torch.optim.Adam(model.parameters())
+    ladder = ["micro_batch", "activation_offload"]
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=ladder, relax_after=2, tune_after=None)
+    worked = Plan(micro_batch_size=4, activation_offload=True)
+    step.guard.plan = worked
+    with SimulatedGPU("1MiB") as gpu:
+        gpu.adopt(model)
+        step(tuple_batch(n=8, seed=1))
+        step(tuple_batch(n=8, seed=2))  # two clean steps: the next call steps back up to the whole batch
+        gpu.fail_host_allocation(1)  # whose larger saved activations do not fit on the host
+        result = step(tuple_batch(n=8, seed=3))
+    assert (result.ooms, result.plan) == (1, worked), "not down the ladder, nor given up: the plan that worked"
+    relaxes = [event for event in step.guard.events if event.kind == "relax"]
+    assert [(event.outcome, event.rung) for event in relaxes] == [("failed", "micro_batch")]  # type: ignore[attr-defined]

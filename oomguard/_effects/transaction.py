@@ -76,6 +76,11 @@ class OptimizerTransaction:
         """Forget the measured transient memory (the plan changed): the next step is journaled again."""
         self._bound = None
 
+    def release_host_copies(self) -> None:
+        """Drop the host copies kept for the next journaled step: once host memory ran out, the host needs them
+        back more than the next step needs them ready."""
+        self._host = {}
+
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
 

@@ -166,18 +166,18 @@ class Loop:
 
     def _next_plan(self, call: Call, failure: Failure, agreement: Agreement | None, freed: MemorySnapshot) -> Plan:
         """The plan the first policy that answers gives; gives up (raises) when none does (the ladder has nothing
-        left), a bound on attempts or time is reached, or host memory ran out (the next rungs would offload more
-        to the host: the guard gives up before moving anything else there)."""
-        if failure.host:
-            self._give_up(call, "host", failure.error)
+        left) or a bound on attempts or time is reached. After host memory ran out, only a plan that worked before
+        (a failed trial's or step up's) is tried: the next rungs would offload more to the host."""
         bound = self._bound_reached(call, agreement)
         move: Move | None = None
         for policy in self.policies:
+            if failure.host and policy.escalates:
+                continue
             move = policy(call, failure, agreement is not None, bound is not None)
             if move is not None:
                 break
         if move is None:
-            self._give_up(call, "ladder", failure.error)
+            self._give_up(call, "host" if failure.host else "ladder", failure.error)
         if bound is not None:
             self._give_up(call, bound, failure.error)
         if move.rung is not None:
@@ -200,6 +200,8 @@ class Loop:
     def _give_up(self, call: Call, reason: GiveUp, cause: BaseException) -> NoReturn:
         """Undo every effect on the model, log the giving up, and raise the error that says so (caused by the
         last attempt's error)."""
+        if reason == "host":  # (what the guard keeps on the host for the next attempt goes too)
+            self.runner.transaction.release_host_copies()
         unrestored = self.effects.undo()
         memory = snapshot(call.backend)
         plans = tuple(plan.to_dict() for plan, _ in call.tried)
