@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -62,16 +62,21 @@ class _HostBudgeted(Protocol):
     def host_bytes(self) -> int | None: ...
 
 
+@runtime_checkable
+class _SimulatedHost(Protocol):
+    """A backend that simulates the host as well (:class:`oomguard.testing.SimulatedGPU`)."""
+
+    def host_total_memory(self) -> int | None: ...
+
+
 def host_budget(options: _HostBudgeted, backend: object, root: Path = Path("/")) -> int | None:
     """The host memory the guard may use, in bytes: ``host_memory=``, else a simulated host's limit, else the OS's
     available memory less the margin (see the module); None where it is unlimited or cannot be read. ``root``:
     where ``/proc`` and ``/sys`` are found (tests give a fake tree)."""
     if options.host_bytes is not None:
         return options.host_bytes
-    simulated = getattr(backend, "host_total_memory", None)  # (a SimulatedGPU's host: its own limit, or none)
-    if simulated is not None:
-        limit: int | None = simulated()
-        return limit
+    if isinstance(backend, _SimulatedHost):  # a simulated host: its own limit (None: unlimited)
+        return backend.host_total_memory()
     available = available_host_memory(root)
     if available is None:
         return None
