@@ -20,6 +20,7 @@ from oomguard._effects.base import Effect, EffectTarget, Packer
 from oomguard._errors import (
     BatchSplitError,
     GuardConfigError,
+    HostMemoryError,
     LadderExhausted,
     LossError,
     NonFiniteLoss,
@@ -77,6 +78,7 @@ __all__ = [
     "GuardConfigError",
     "GuardSummary",
     "GuardedStep",
+    "HostMemoryError",
     "JsonlSink",
     "LadderExhausted",
     "LayerOffload",

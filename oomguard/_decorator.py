@@ -120,6 +120,12 @@ def oom_guard(fn: Callable[[Any], Any] | None = None, /, **options: Any) -> Any:
             copies of the model and the first batch, and start on the fastest plan predicted to fit, so a job
             that would run out of memory starts on a fitting plan without a single OOM. Ignored when a state
             file already holds a plan, and under torch.distributed. Costs seconds, once.
+        host_memory: the host RAM the guard may fill with what it offloads (optimizer state, master weights,
+            offloaded layers, saved activations, the step journal), in bytes or as ``"16GiB"``. Default: what the
+            OS says is available at the first call (``MemAvailable``, capped by a container's cgroup limit), less
+            10 % or 1 GiB, whichever is larger; under ``SimulatedGPU(host_capacity=...)``, that limit. Read it
+            back as ``guard.host_budget``. A host allocation that fails anyway raises :class:`HostMemoryError`
+            (nothing committed) instead of moving down the ladder, which would offload more.
 
     Returns:
         A :class:`GuardedStep`: call it with a batch to get a :class:`StepResult`; ``.guard`` is the

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_fatal_device_error", "is_oom", "names_an_allocator"]
+__all__ = ["is_device_oom", "is_fatal_device_error", "is_host_oom", "is_oom", "names_an_allocator"]
 
 # Messages that mean "an allocation failed". Matched only on RuntimeError (and MemoryError by type), so a
 # user's KeyError("out of memory") is never mistaken for one.
@@ -43,6 +43,12 @@ _ALLOCATOR_PATTERNS = re.compile(
 )
 # Any other "out of memory" text: an allocator somewhere, or a library's or a user's own words for it.
 _OOM_PATTERNS = re.compile(rf"{_ALLOCATOR_PATTERNS.pattern}|\bout of memory\b", re.IGNORECASE)
+
+# Messages of the host's allocators: the CPU's, and CUDA's pinned-memory one (cudaHostAlloc, the caching host
+# allocator); and the words the guard's own host errors use ("host memory").
+_HOST_PATTERNS = re.compile(
+    r"DefaultCPUAllocator|cudaHostAlloc|CachingHostAllocator|\bpinned memory\b|\bhost memory\b", re.IGNORECASE
+)
 
 # Errors that leave the device unusable: never retried, even when an OOM is also in the chain.
 _FATAL_PATTERNS = re.compile(
@@ -138,3 +144,28 @@ def names_an_allocator(exc: BaseException) -> bool:
         isinstance(e, (torch.OutOfMemoryError, MemoryError)) or _message_matches(e, _ALLOCATOR_PATTERNS)
         for e in _chain(exc, contexts=False)
     )
+
+
+def is_host_oom(exc: BaseException) -> bool:
+    """Whether an out-of-memory error is the host's (RAM), not the device's.
+
+    True for an :func:`is_oom` error whose chain of causes holds a ``MemoryError`` (Python's own allocator; the
+    guard's failed pinned buffer, raised as one; a simulated host's limit) or a message of a host allocator
+    (``DefaultCPUAllocator``, ``cudaHostAlloc``, CUDA's caching host allocator). Only meaningful where the device
+    is not the host: on a CPU-only run, host memory is the device's, and the ladder relieves it as any OOM.
+
+    >>> is_host_oom(MemoryError()), is_host_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    (True, False)
+    """
+    if not is_oom(exc):
+        return False
+    return any(
+        isinstance(e, MemoryError) or _message_matches(e, _HOST_PATTERNS)  # (torch.OutOfMemoryError is no MemoryError)
+        for e in _chain(exc, contexts=False)
+    )
+
+
+def is_device_oom(exc: BaseException, *, separate_host: bool) -> bool:
+    """Whether ``exc`` is an out-of-memory error that the ladder may relieve: :func:`is_oom`, and not the host's
+    (:func:`is_host_oom`) where the host is ``separate_host`` from the device (a GPU, a simulated one)."""
+    return is_oom(exc) and not (separate_host and is_host_oom(exc))

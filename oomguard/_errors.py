@@ -6,6 +6,7 @@ led there, and the fix, in one message::
     OOMGuardError
     ├── LadderExhausted          every plan on the ladder ran out of memory for this batch
     ├── RecoveryLimitExceeded    the bound on attempts or recovery time was hit first
+    ├── HostMemoryError          (also MemoryError) host memory ran out: not retried down the ladder
     ├── StepRollbackError        an optimizer step failed half-way and could not be undone
     ├── BatchSplitError          (also ValueError) the batch cannot be split into micro-batches
     ├── LossError                (also TypeError) the step function returned no usable loss
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BatchSplitError",
     "GuardConfigError",
+    "HostMemoryError",
     "LadderExhausted",
     "LossError",
     "NonFiniteLoss",
@@ -73,6 +75,17 @@ class RecoveryLimitExceeded(_GaveUp):
     """The guard hit its bound on attempts (``max_attempts``) or time (``max_recovery_seconds``) for one batch.
 
     Like :class:`LadderExhausted`, the model, optimizer and scheduler are left as they were before the call.
+    """
+
+
+class HostMemoryError(_GaveUp, MemoryError):
+    """Host memory (RAM) ran out during a step: a host allocation the guard made failed (a pinned buffer, the
+    optimizer state or master weights moved to the host, an offloaded layer, saved activations, the step journal),
+    or the host's allocator refused one.
+
+    The guard does not move down the ladder for it: the next rungs offload more to the host. The step committed
+    nothing and the guard's effects are undone, as for :class:`LadderExhausted`; the message says what ran out and
+    the fix (``host_memory=``, ``quantized_optimizer`` on the ladder, fewer offloaded layers).
     """
 
 

@@ -214,7 +214,8 @@ class ProgressEvent(Event):
 
 @dataclass(frozen=True)
 class ExhaustedEvent(Event):
-    """The guard gave up on the batch (``reason`` is ``"ladder"``, ``"attempts"`` or ``"time"``)."""
+    """The guard gave up on the batch (``reason`` is ``"ladder"``, ``"attempts"``, ``"time"``, or ``"host"``: host
+    memory ran out, which the ladder does not relieve)."""
 
     kind: ClassVar[str] = "exhausted"
     reason: str

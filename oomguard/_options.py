@@ -18,6 +18,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
+from oomguard._backends.units import parse_bytes
 from oomguard._distributed.agreement import ddp_of, unwrap
 from oomguard._effects.base import EffectTarget
 from oomguard._effects.blocks import find_blocks
@@ -65,8 +66,11 @@ class GuardOptions:
     fix_fragmentation: bool = False
     accelerator: Any = None
     preplan: bool = False
+    host_memory: int | str | None = None
     #: ``ladder`` resolved into rung objects (unknown names are refused here).
     rungs: Ladder = field(init=False, repr=False)
+    #: ``host_memory`` in bytes (None: the default budget, see :mod:`oomguard._backends.host`).
+    host_bytes: int | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_model_and_optimizer(self.model, self.optimizer)
@@ -94,6 +98,20 @@ class GuardOptions:
         _check_optional_positive_int("log_every", self.log_every)
         _check_distinct_files(self.log_file, self.state_file)
         object.__setattr__(self, "rungs", resolve_ladder(self.ladder))
+        object.__setattr__(self, "host_bytes", _host_bytes(self.host_memory))
+
+
+def _host_bytes(host_memory: int | str | None) -> int | None:
+    """``host_memory=`` in bytes, refused clearly where it is no size."""
+    if host_memory is None:
+        return None
+    try:
+        return parse_bytes(host_memory)
+    except (TypeError, ValueError) as exc:
+        raise GuardConfigError(
+            f"host_memory= is the host RAM the guard may fill with offloaded tensors, in bytes or as a string like "
+            f"'16GiB' (None: what the OS says is available, less a margin): {exc}"
+        ) from None
 
 
 def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oomguard import is_fatal_device_error, is_oom
-from oomguard._detect import names_an_allocator
+from oomguard._detect import is_device_oom, is_host_oom, names_an_allocator
 
 # Python 3.11+ only; looked up at run time so the module still imports on 3.10.
 ExceptionGroup = getattr(builtins, "ExceptionGroup", None)
@@ -253,3 +253,23 @@ def test_real_cpu_allocator_failure_wrapped_by_a_library() -> None:
 def test_an_allocator_names_itself_where_a_bare_out_of_memory_does_not(error: BaseException, named: bool) -> None:
     assert is_oom(error)
     assert names_an_allocator(error) is named
+
+
+@pytest.mark.parametrize(
+    ("error", "host"),
+    [
+        pytest.param(MemoryError(), True, id="MemoryError"),
+        pytest.param(RuntimeError(CPU_OOM), True, id="DefaultCPUAllocator"),
+        pytest.param(RuntimeError("CUDA error: out of memory (cudaHostAlloc)"), True, id="cudaHostAlloc"),
+        pytest.param(raised_from(MemoryError("pinned"), RuntimeError("offload failed")), True, id="host-cause"),
+        pytest.param(torch.OutOfMemoryError(CUDA_OOM), False, id="device-OOM"),
+        pytest.param(RuntimeError("CUDA error: out of memory"), False, id="bare-CUDA-words"),
+        pytest.param(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED"), False, id="cuBLAS"),
+        pytest.param(ValueError("host memory"), False, id="not-an-OOM"),
+        pytest.param(RuntimeError(f"{ILLEGAL_ACCESS}\nDefaultCPUAllocator"), False, id="fatal"),
+    ],
+)
+def test_a_host_oom_is_told_from_the_devices(error: BaseException, host: bool) -> None:
+    assert is_host_oom(error) is host
+    assert is_device_oom(error, separate_host=True) is (is_oom(error) and not host)
+    assert is_device_oom(error, separate_host=False) is is_oom(error), "on a CPU-only run the host is the device"

@@ -626,3 +626,68 @@ def test_a_compiled_model_is_said_to_run_eagerly_under_the_simulation_once() -> 
     with SimulatedGPU("1MiB"), pytest.warns(UserWarning, match="runs eagerly") as said:
         step(torch.ones(2, 4))
     assert "Linear" in str(said[0].message), "the warning names the model"
+
+
+# -- the simulated host ---------------------------------------------------------------------------------------
+
+
+def test_host_memory_the_guard_allocates_is_counted_until_it_dies() -> None:
+    with SimulatedGPU("1MiB") as gpu:  # no host_capacity: counted, never refused
+        x = torch.randn(1000)  # device memory: 4000 bytes
+        host = gpu.to_host(x)
+        assert (gpu.host_memory_allocated(), gpu.memory_allocated()) == (4000, rounded(4000))
+        doubled = host * 2  # computed from host tensors alone: host memory too, unrounded
+        assert gpu.host_memory_allocated() == 8000 and not gpu.is_device(doubled)
+        assert gpu.to_host(x, out=host) is host  # a reused buffer is no new allocation
+        assert (gpu.host_memory_allocated(), gpu.host_allocations) == (8000, 2)
+        del host
+        assert gpu.host_memory_allocated() == 4000
+        del doubled
+        assert (gpu.host_memory_allocated(), gpu.max_host_memory_allocated()) == (0, 8000)
+        gpu.reset_peak_memory_stats()
+        assert gpu.max_host_memory_allocated() == 0
+        outside = torch.zeros(1000)  # made on the "device", not the host
+        assert gpu.host_memory_allocated() == 0 and gpu.is_device(outside)
+    assert gpu.host_total_memory() is None
+
+
+def test_past_the_host_capacity_a_host_allocation_raises_a_memory_error_naming_host_memory() -> None:
+    with SimulatedGPU("1MiB", host_capacity="6KiB") as gpu:
+        x = torch.randn(1000)  # 4000 bytes
+        host = gpu.to_host(x)
+        with pytest.raises(MemoryError, match=r"host memory.*3\.9 KiB.*3\.9 KiB in use.*6\.0 KiB") as refused:
+            gpu.to_host(x)
+        assert not isinstance(refused.value, torch.OutOfMemoryError), "the host's error, not the device's"
+        with pytest.raises(MemoryError, match="host memory"):
+            host + 1  # an op on the host past its limit: refused in place of its result
+        assert (gpu.host_memory_allocated(), gpu.max_host_memory_allocated()) == (4000, 4000)
+        host.mul_(2)  # in place: no allocation
+        half = gpu.to_host(x[:500])  # 2000 more bytes fit exactly
+        assert gpu.host_memory_allocated() == 6000 == gpu.max_host_memory_allocated()
+        del half
+    assert gpu.host_capacity == gpu.host_total_memory() == 6 * 1024
+
+
+def test_a_host_tensor_that_grows_past_the_host_capacity_is_refused_before_it_grows() -> None:
+    with SimulatedGPU("1MiB", host_capacity=6000) as gpu:
+        host = gpu.to_host(torch.randn(1000))
+        with pytest.raises(MemoryError, match="host memory"):
+            host.resize_(2000)
+        assert host.shape == (1000,) and gpu.host_memory_allocated() == 4000
+        host.resize_(1500)  # 6000 bytes: fits, and is counted
+        assert gpu.host_memory_allocated() == 6000
+        gpu.resize_storage(host, 0)  # the backend's own resize releases host memory too
+        assert gpu.host_memory_allocated() == 0
+
+
+def test_fail_host_allocation_fails_the_next_host_allocation_once() -> None:
+    with SimulatedGPU("1MiB") as gpu:
+        x = torch.randn(100)
+        gpu.fail_host_allocation(2)
+        first = gpu.to_host(x)
+        with pytest.raises(MemoryError, match=r"host memory.*injected"):
+            gpu.to_host(x)
+        assert gpu.to_host(x).shape == first.shape  # once only
+        with pytest.raises(ValueError, match="n >= 1"):
+            gpu.fail_host_allocation(0)
+        assert gpu.memory_allocated() == rounded(400), "a host fault never touches the device's accounting"

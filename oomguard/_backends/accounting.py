@@ -19,8 +19,9 @@ Decisions worth knowing:
 * Allocations inside a kernel's own implementation (scratch space a C++ kernel takes without dispatching)
   are not seen; they are transient.
 * Host memory is what ``to_host`` returns (offloaded tensors, the guard's journal) and whatever an op computes
-  from host tensors alone (an optimizer step on offloaded parameters); it is never counted. ``to_device``
-  copies a host tensor into the accounting. For ``_foreach_*`` ops this is decided per list element.
+  from host tensors alone (an optimizer step on offloaded parameters): never device memory, counted against the
+  host's own budget (``host_capacity``) in :mod:`oomguard._backends.hostledger`. ``to_device`` copies a host
+  tensor into the device's accounting. For ``_foreach_*`` ops this is decided per list element.
 * Only CPU tensors are tracked: on CUDA, backward runs in other threads that a mode would not see.
 
 The dispatch mode and the helpers that classify ops live in :mod:`oomguard._backends.dispatch`. Users meet this
@@ -37,7 +38,6 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
-from torch.utils._pytree import tree_map
 
 from oomguard._backends.dispatch import (
     FRESH,
@@ -49,12 +49,15 @@ from oomguard._backends.dispatch import (
     compiled_model_note,
     cpu_storages,
     host_outputs,
+    meta_output_bytes,
+    resized_bytes,
     simulated_oom,
     tensors_of,
-    to_meta,
+    untracked_storages,
     writes_and_allocates,
 )
-from oomguard._backends.memory import MemorySnapshot, copy_into, nbytes, pop_backend, push_backend, snapshot
+from oomguard._backends.hostledger import HostFigures, HostLedger
+from oomguard._backends.memory import MemorySnapshot, nbytes, pop_backend, push_backend, snapshot
 from oomguard._backends.units import parse_bytes
 
 __all__ = ["AccountedDevice"]
@@ -71,13 +74,14 @@ def _release(device: weakref.ref[AccountedDevice], key: int) -> None:
 _Device = TypeVar("_Device", bound="AccountedDevice")
 
 
-class AccountedDevice:
+class AccountedDevice(HostFigures):
     """A simulated device of ``capacity`` bytes: every CPU tensor storage created inside the context counts as
     device memory until it is freed; going past the capacity raises a real ``torch.OutOfMemoryError``. While
     active it is the memory backend :mod:`oomguard` reads figures from and makes host copies through.
 
     Args:
         capacity: bytes, or a string such as ``"6GiB"`` or ``"64MiB"``.
+        host_capacity: the host memory the guard may allocate (bytes or a string; None: unlimited, still counted).
         name: a label for the device.
         on_allocate: an observer, called as ``on_allocate(allocated_bytes)`` with :meth:`memory_allocated` at
             that moment, after every successful accounting of new storages (an op's outputs, ``to_device``,
@@ -89,17 +93,23 @@ class AccountedDevice:
     offloads = True
 
     def __init__(
-        self, capacity: int | str, *, name: str = "simulated", on_allocate: Callable[[int], None] | None = None
+        self,
+        capacity: int | str,
+        *,
+        host_capacity: int | str | None = None,
+        name: str = "simulated",
+        on_allocate: Callable[[int], None] | None = None,
     ) -> None:
         #: The budget in bytes.
         self.capacity = parse_bytes(capacity)
+        self.host_capacity = None if host_capacity is None else parse_bytes(host_capacity)  # (None: unlimited)
         self.name = name
         #: Device allocations made so far (each new storage counts once; failed ones do not).
         self.allocations = 0
         self._allocated = 0
         self._peak = 0
         self._tracked: dict[int, int] = {}  # id(storage) -> counted bytes
-        self._host: set[int] = set()  # id(storage) of host memory: never counted
+        self._host = HostLedger(self.host_capacity)  # the host storages: never device memory
         self.transferred_bytes = 0  # host<->device bytes copied through to_host, to_device and upload
         self._compile_warned = False
         # Re-entrant: a storage's finalizer (_release) can run inside any allocation, the simulator's own
@@ -145,8 +155,9 @@ class AccountedDevice:
         return self._allocated
 
     def reset_peak_memory_stats(self) -> None:
-        """Start measuring the peak again from the current usage."""
+        """Start measuring the peaks (the device's and the host's) again from the current usage."""
         self._peak = self._allocated
+        self._host.peak = self._host.allocated
 
     def total_memory(self) -> int:
         return self.capacity
@@ -197,10 +208,7 @@ class AccountedDevice:
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy outside the accounting: host memory (traffic when ``tensor`` is device memory)."""
         self.transferred_bytes += nbytes(tensor) if self.is_device(tensor) else 0
-        with self._paused:
-            copy = copy_into(tensor, out)
-        self._mark_host(copy.untyped_storage())
-        return copy
+        return self._host.copy(tensor, out, self._paused)
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy that counts as device memory (raises the simulated OOM if it does not fit)."""
@@ -225,6 +233,7 @@ class AccountedDevice:
         storage = tensor.untyped_storage()
         key = id(storage)
         if key in self._host:
+            self._host.resized(storage, nbytes)  # (raises first where the host has no room for the growth)
             storage.resize_(nbytes)
             return
         with self._lock:
@@ -236,12 +245,6 @@ class AccountedDevice:
             self._resized(storage, count_faults=False)
         else:
             self._allocate([storage], count_faults=False)
-
-    def _mark_host(self, storage: torch.UntypedStorage) -> None:
-        key = id(storage)
-        if key not in self._host:
-            self._host.add(key)
-            weakref.finalize(storage, self._host.discard, key)
 
     def adopt(self, *objects: torch.nn.Module | torch.Tensor | torch.optim.Optimizer | Iterable[Any]) -> None:
         """Count already existing tensors as resident on the device, as ``model.to("cuda")`` would.
@@ -255,14 +258,7 @@ class AccountedDevice:
             if isinstance(obj, torch.nn.Module):
                 self.warn_if_compiled(obj)
             tensors.extend(tensors_of(obj))
-        fresh: dict[int, torch.UntypedStorage] = {}
-        for tensor in tensors:
-            if tensor.device.type != "cpu" or tensor.layout != torch.strided:
-                continue
-            storage = tensor.untyped_storage()
-            if id(storage) not in self._tracked:
-                fresh[id(storage)] = storage
-        self._allocate(list(fresh.values()), count_faults=False)
+        self._allocate(untracked_storages(tensors, self._tracked), count_faults=False)
 
     def warn_if_compiled(self, model: torch.nn.Module) -> None:
         """Warn, once per device, that a model compiled with ``torch.compile`` runs eagerly here."""
@@ -339,59 +335,59 @@ class AccountedDevice:
             self._precheck(func, args, kwargs)
 
     def _check_resize(self, tensor: torch.Tensor, size: Any) -> None:
-        if tensor.device.type != "cpu" or id(tensor.untyped_storage()) in self._host:
+        if tensor.device.type != "cpu":
             return
-        numel = 1
-        for dim in size:
-            numel *= int(dim)
-        needed = aligned((int(tensor.storage_offset()) + numel) * tensor.element_size())
-        current = self._tracked.get(id(tensor.untyped_storage()), 0)
-        if needed > current:
+        needed, key = resized_bytes(tensor, size), id(tensor.untyped_storage())
+        if key in self._host:  # a host tensor grows on the host (unrounded), refused before it grows
+            self._host.precheck([needed - self._host.size_of(key)])
+        elif aligned(needed) > (current := self._tracked.get(key, 0)):
             with self._lock:
-                self._check([needed - current])
+                self._check([aligned(needed) - current])
 
     def _precheck(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> None:
-        if self._all_host(cpu_storages((args, kwargs))):
+        on_host = self._all_host(cpu_storages((args, kwargs)))
+        if on_host and self.host_capacity is None and not self._host.fault_pending:
+            return  # (an unlimited host cannot refuse it)
+        sizes = meta_output_bytes(func, args, kwargs)
+        if sizes is None:  # no meta kernel: account after running instead
             return
-        try:
-            meta_out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
-        except (NotImplementedError, RuntimeError):  # no meta kernel: account after running instead
+        if on_host:  # the host refuses it before it mutates anything; its outputs are added once it ran
+            self._host.precheck(sizes)
             return
-        aliased = {i for i, ret in enumerate(func._schema.returns) if ret.alias_info is not None}
-        outs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
-        sizes = [
-            aligned(int(t.untyped_storage().nbytes()))
-            for i, t in enumerate(outs)
-            if i not in aliased and isinstance(t, torch.Tensor)
-        ]
+        sizes = [aligned(size) for size in sizes]
         with self._lock:
             fail_in = self._fail_in
             self._check(sizes)  # raises before the op mutates anything
             self._fail_in = fail_in  # it fits: the accounting after the op counts these allocations again
 
     def _all_host(self, storages: list[torch.UntypedStorage]) -> bool:
-        return all_host(storages, self._host)
+        return all_host(storages, self._host.keys())
 
     def _account(self, func: torch._ops.OpOverload, args: Any, kwargs: Any, out: Any) -> None:
         inputs = cpu_storages((args, kwargs))
         input_keys = {id(s) for s in inputs}
         on_host = self._host_outputs(func, args, out, inputs)
         fresh: dict[int, torch.UntypedStorage] = {}
+        host: dict[int, torch.UntypedStorage] = {}
         for storage in cpu_storages(out):
             key = id(storage)
             if key in self._tracked:
                 if aligned(int(storage.nbytes())) != self._tracked[key]:
                     self._resized(storage, count_faults=func is not RESIZE)  # resize_: checked
-            elif key in self._host or (key in input_keys and func not in FRESH):
+            elif key in self._host:
+                self._host.resized(storage, int(storage.nbytes()))  # (out= and set_ may grow a host storage)
+            elif key in input_keys and func not in FRESH:
                 continue
             elif key in on_host:
-                self._mark_host(storage)
+                host[key] = storage
             else:
                 fresh[key] = storage
+        if host:
+            self._host.add(list(host.values()))  # past the host's budget: MemoryError in place of the result
         if fresh:
             self._allocate(list(fresh.values()))
 
     def _host_outputs(
         self, func: torch._ops.OpOverload, args: Any, out: Any, inputs: list[torch.UntypedStorage]
     ) -> set[int]:
-        return host_outputs(func, args, out, inputs, self._host) if self._host else set()
+        return host_outputs(func, args, out, inputs, self._host.keys()) if self._host.keys() else set()

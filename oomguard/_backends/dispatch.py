@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass,
     is_traceable_wrapper_subclass_type,
 )
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from oomguard._backends.units import format_bytes
 
@@ -90,6 +91,30 @@ def to_meta(value: Any) -> Any:
     return value
 
 
+def meta_output_bytes(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> list[int] | None:
+    """The bytes of each fresh (not aliased) output storage ``func`` would make, from a run on meta tensors before
+    the real one; None where the op has no meta kernel."""
+    try:
+        meta_out = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+    except (NotImplementedError, RuntimeError):
+        return None
+    aliased = {i for i, ret in enumerate(func._schema.returns) if ret.alias_info is not None}
+    outs = meta_out if isinstance(meta_out, (tuple, list)) else (meta_out,)
+    return [
+        int(t.untyped_storage().nbytes())
+        for i, t in enumerate(outs)
+        if i not in aliased and isinstance(t, torch.Tensor)
+    ]
+
+
+def resized_bytes(tensor: torch.Tensor, size: Any) -> int:
+    """The bytes ``tensor``'s storage needs after ``tensor.resize_(size)``."""
+    numel = 1
+    for dim in size:
+        numel *= int(dim)
+    return (int(tensor.storage_offset()) + numel) * tensor.element_size()
+
+
 class Paused(threading.local):
     """Set while a device copies outside the accounting (per thread: other threads are still accounted);
     ``with paused:`` sets it for the block. One for every device (:data:`PAUSED`): a copy one device makes through
@@ -134,6 +159,17 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
     raise TypeError(f"adopt() takes modules, optimizers, tensors or iterables of them, got {type(obj).__name__}")
 
 
+def untracked_storages(tensors: list[torch.Tensor], tracked: dict[int, int]) -> list[torch.UntypedStorage]:
+    """The storages of the strided CPU tensors among ``tensors`` that are not ``tracked`` yet, each once."""
+    fresh: dict[int, torch.UntypedStorage] = {}
+    for tensor in tensors:
+        if tensor.device.type == "cpu" and tensor.layout == torch.strided:
+            storage = tensor.untyped_storage()
+            if id(storage) not in tracked:
+                fresh[id(storage)] = storage
+    return list(fresh.values())
+
+
 #: Told an op, its arguments and keyword arguments (and, after it ran, its outputs).
 OpHook = Callable[..., None]
 
@@ -168,13 +204,13 @@ class AccountingMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         return out
 
 
-def all_host(storages: list[torch.UntypedStorage], host: set[int]) -> bool:
+def all_host(storages: list[torch.UntypedStorage], host: AbstractSet[int]) -> bool:
     """Whether an op on these input storages runs on the host: it has some, and all are ``host`` memory."""
     return bool(storages) and all(id(s) in host for s in storages)
 
 
 def host_outputs(
-    func: torch._ops.OpOverload, args: Any, out: Any, inputs: list[torch.UntypedStorage], host: set[int]
+    func: torch._ops.OpOverload, args: Any, out: Any, inputs: list[torch.UntypedStorage], host: AbstractSet[int]
 ) -> set[int]:
     """The output storages that an op computed on the host (from ``host`` inputs only; ``_foreach_`` ops decide
     per list element)."""

@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from oomguard._backends.host import available_host_memory, pinned_empty
 from oomguard._backends.units import format_bytes
 
 __all__ = [
@@ -130,18 +131,6 @@ def snapshot(backend: MemoryBackend) -> MemorySnapshot:
     )
 
 
-def _available_host_memory() -> int | None:
-    """MemAvailable from /proc/meminfo, in bytes, or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 class CpuMemory:
     """The host allocator, for models trained on the CPU without a simulator.
 
@@ -172,7 +161,7 @@ class CpuMemory:
         gc.collect()
 
     def reserve(self, nbytes: int) -> bool:
-        available = _available_host_memory()
+        available = available_host_memory()  # (a container's cgroup limit included)
         return available is not None and available >= nbytes
 
     def __init__(self) -> None:
@@ -255,7 +244,7 @@ class CudaMemory:
         # produced ``tensor`` is done, and record_stream keeps the allocator from reusing ``tensor``'s memory
         # before the copy has read it.
         if out is None or not _fits(tensor, out):
-            out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+            out = pinned_empty(tensor.shape, tensor.dtype)  # (a failure there is host memory, and says so)
         self.transferred_bytes += nbytes(tensor) if tensor.is_cuda else 0
         stream = self._copy_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))

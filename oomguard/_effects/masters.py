@@ -346,7 +346,7 @@ class MasterWeights:
             weight, value = self._weights.get(param), state_dict.get(prefix + name)
             if weight is not None and isinstance(value, torch.Tensor) and value.shape == weight.master.shape:
                 with torch.no_grad():
-                    weight.master.copy_(value.detach().to("cpu"))
+                    weight.master.copy_(value.detach())  # (across devices: no host temporary)
                 self._loaded.append(weight)
 
     def _loaded_all(self, module: torch.nn.Module, incompatible: Any) -> None:

@@ -35,7 +35,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from oomguard._backends.memory import MemoryBackend
-from oomguard._detect import is_oom
+from oomguard._detect import is_device_oom, is_oom
 from oomguard._distributed.peers import Agree, peer_failure
 from oomguard._effects.interrupts import run_whole
 from oomguard._errors import StepRollbackError
@@ -75,6 +75,11 @@ class OptimizerTransaction:
     def invalidate(self) -> None:
         """Forget the measured transient memory (the plan changed): the next step is journaled again."""
         self._bound = None
+
+    def release_host_copies(self) -> None:
+        """Drop the host copies kept for the next journaled step: once host memory ran out, the host needs them
+        back more than the next step needs them ready."""
+        self._host = {}
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -223,7 +228,7 @@ class OptimizerTransaction:
         except BaseException as exc:
             undo()
             if agree is not None and isinstance(exc, Exception):
-                agree("oom" if is_oom(exc) else "fatal")
+                agree("oom" if is_device_oom(exc, separate_host=backend.offloads) else "fatal")  # (host: all stop)
             raise
         outcome = agree("ok") if agree is not None else "ok"
         if outcome != "ok":

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from oomguard._backends.accounting import AccountedDevice
+from oomguard._backends.host import host_budget
 from oomguard._backends.memory import MemoryBackend, current_backend, snapshot
 from oomguard._distributed.agreement import Agreement, distributed_active, unwrap
 from oomguard._errors import GuardConfigError
@@ -110,6 +111,7 @@ class OOMGuard:
             rungs=", ".join(self.ladder.names),
         )
         self._started = False
+        self._host_budget: int | None = None  # resolved at the first call (see host_budget)
         self._busy = OneCallAtATime()
         self._last: _Last | None = None  # the last call that succeeded
         self._last_plan = Plan()
@@ -135,6 +137,15 @@ class OOMGuard:
     def plans(self) -> dict[int, Plan]:
         """The plan of every batch bucket seen so far (and those loaded from the state file)."""
         return self._buckets.plans()
+
+    @property
+    def host_budget(self) -> int | None:
+        """The host memory, in bytes, this guard may fill with what it offloads: ``host_memory=``, a simulated
+        host's limit, or what the OS said was available at the first call less a margin (before the first call:
+        what it says now); None where it is unlimited (a simulated host without ``host_capacity``) or unknown."""
+        if self._started:
+            return self._host_budget
+        return host_budget(self.options, current_backend(self._device))
 
     @property
     def steps(self) -> int:
@@ -317,6 +328,8 @@ class OOMGuard:
             return
         if isinstance(backend, AccountedDevice):  # (a simulated device: compiled code runs eagerly under it)
             backend.warn_if_compiled(self.model)
+        self._host_budget = host_budget(self.options, backend)  # (the OS's figure once, not a moving target)
+        self._loop.host_budget = self._host_budget
         if distributed_active():
             self._runner.agreement = Agreement(self._device, self.ladder)
         rank = 0 if self._runner.agreement is None else self._runner.agreement.rank

@@ -19,11 +19,11 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import torch
 
 from oomguard._backends.memory import MemoryBackend, MemorySnapshot, snapshot
-from oomguard._detect import is_oom, names_an_allocator
+from oomguard._detect import is_host_oom, is_oom, names_an_allocator
 from oomguard._distributed.agreement import Agreement
 from oomguard._effects.effects import Effects
 from oomguard._effects.interrupts import Interrupts
-from oomguard._errors import LadderExhausted, OOMGuardError, RecoveryLimitExceeded
+from oomguard._errors import HostMemoryError, LadderExhausted, OOMGuardError, RecoveryLimitExceeded
 from oomguard._events import Event, ExhaustedEvent, FailureSummary, FallbackEvent, OOMEvent, RecoveredEvent
 from oomguard._guard.buckets import Buckets, Choice
 from oomguard._guard.call import Call
@@ -83,6 +83,7 @@ class Loop:
         self.fix_fragmentation, self.rungs = fix_fragmentation, rungs
         self.interrupts = Interrupts()
         self.rung: str | None = None  # the rung engaged last, named in OOM events
+        self.host_budget: int | None = None  # the guard's host budget, named when host memory runs out
 
     # -- the record of a call ---------------------------------------------------------------------------
     @staticmethod
@@ -137,11 +138,13 @@ class Loop:
         if isinstance(error, OOMGuardError) or not is_oom(error):  # ours may wrap an OOM: never retry them
             raise error
         summary = FailureSummary.from_exception(error, failed.phase, failed.micro_batch, snapshot(call.backend))
+        # Host memory (RAM) where the device is not the host: the ladder cannot relieve it (see _next_plan).
+        host = call.backend.offloads and is_host_oom(error)
         repeated = bool(call.tried) and call.tried[-1][1].same_error(summary)
-        if repeated and not names_an_allocator(error) and agreement is None:
+        if repeated and not host and not names_an_allocator(error) and agreement is None:
             raise error  # the same words again on a plan with less memory, and no allocator said them: not memory
             # (not under torch.distributed: the ranks agreed this was an OOM and all retry together)
-        return Failure(failed.plan, summary, seconds, failed.base, released(error), failed.agreed_phase)
+        return Failure(failed.plan, summary, seconds, failed.base, released(error), failed.agreed_phase, host)
 
     def _free_and_record(self, call: Call, failure: Failure) -> MemorySnapshot:
         """Free what the failed attempt held, and record the OOM (event, peak model); the memory after."""
@@ -163,15 +166,18 @@ class Loop:
 
     def _next_plan(self, call: Call, failure: Failure, agreement: Agreement | None, freed: MemorySnapshot) -> Plan:
         """The plan the first policy that answers gives; gives up (raises) when none does (the ladder has nothing
-        left) or a bound on attempts or time is reached."""
+        left) or a bound on attempts or time is reached. After host memory ran out, only a plan that worked before
+        (a failed trial's or step up's) is tried: the next rungs would offload more to the host."""
         bound = self._bound_reached(call, agreement)
         move: Move | None = None
         for policy in self.policies:
+            if failure.host and policy.escalates:
+                continue
             move = policy(call, failure, agreement is not None, bound is not None)
             if move is not None:
                 break
         if move is None:
-            self._give_up(call, "ladder", failure.error)
+            self._give_up(call, "host" if failure.host else "ladder", failure.error)
         if bound is not None:
             self._give_up(call, bound, failure.error)
         if move.rung is not None:
@@ -194,14 +200,23 @@ class Loop:
     def _give_up(self, call: Call, reason: GiveUp, cause: BaseException) -> NoReturn:
         """Undo every effect on the model, log the giving up, and raise the error that says so (caused by the
         last attempt's error)."""
+        if reason == "host":  # (what the guard keeps on the host for the next attempt goes too)
+            self.runner.transaction.release_host_copies()
         unrestored = self.effects.undo()
         memory = snapshot(call.backend)
         plans = tuple(plan.to_dict() for plan, _ in call.tried)
         self.emit(ExhaustedEvent(call.step, call.plan.to_dict(), memory, reason, len(call.tried), plans))
         message = give_up_message(
-            call, reason, memory, step=call.step, bounds=self.bounds, rungs=self.rungs, unrestored=unrestored
+            call,
+            reason,
+            memory,
+            step=call.step,
+            bounds=self.bounds,
+            rungs=self.rungs,
+            unrestored=unrestored,
+            host_budget=self.host_budget,
         )
-        error = LadderExhausted if reason == "ladder" else RecoveryLimitExceeded
+        error = {"ladder": LadderExhausted, "host": HostMemoryError}.get(reason, RecoveryLimitExceeded)
         raise error(message, step=call.step, tried=tuple(call.tried), memory=memory) from cause
 
     def recovered(self, call: Call, plan: Plan) -> None:

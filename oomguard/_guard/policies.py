@@ -8,8 +8,10 @@ answers wins.
    rungs at once.
 4. :class:`Walk`: one rung down the ladder, the rung that relieves the phase that failed.
 
-None answering means the ladder has nothing left. Bounds on attempts and time are the loop's business: a policy
-is told whether one was reached (then the jump does not plan, since its answer would not be tried).
+None answering means the ladder has nothing left. After host memory (RAM) ran out only the first two are asked:
+they go back to a plan that worked, where the last two would offload more to the host (:attr:`Policy.escalates`).
+Bounds on attempts and time are the loop's business: a policy is told whether one was reached (then the jump does
+not plan, since its answer would not be tried).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._events import Event
@@ -43,6 +45,12 @@ class Move:
 
 
 class Policy(Protocol):
+    @property
+    def escalates(self) -> bool:
+        """Whether the policy's plans need less device memory than the failed one (more rungs, more offloading):
+        not asked after host memory ran out."""
+        ...
+
     def __call__(self, call: Call, failure: Failure, distributed: bool, bounded: bool) -> Move | None:
         """The next plan for ``call`` after ``failure``, or None where this policy has nothing to say.
         ``distributed``: the attempt's ranks agreed on it; ``bounded``: a bound on attempts or time is reached."""
@@ -52,6 +60,7 @@ class Policy(Protocol):
 @dataclass(frozen=True)
 class FailedTrial:
     foresight: Foresight
+    escalates: ClassVar[bool] = False
 
     def __call__(self, call: Call, failure: Failure, distributed: bool, bounded: bool) -> Move | None:
         if not (call.choice.trial and failure.plan == call.choice.plan):
@@ -63,6 +72,7 @@ class FailedTrial:
 class FailedStepUp:
     buckets: Buckets
     emit: Callable[[Event], None]
+    escalates: ClassVar[bool] = False
 
     def __call__(self, call: Call, failure: Failure, distributed: bool, bounded: bool) -> Move | None:
         choice = call.choice
@@ -76,6 +86,7 @@ class FailedStepUp:
 @dataclass(frozen=True)
 class Jump:
     foresight: Foresight
+    escalates: ClassVar[bool] = True
 
     def __call__(self, call: Call, failure: Failure, distributed: bool, bounded: bool) -> Move | None:
         jump = None if bounded else self.foresight.jump(call, failure, distributed)
@@ -111,6 +122,7 @@ class Escalation:
 class Walk:
     ladder: Ladder
     escalation: Escalation
+    escalates: ClassVar[bool] = True
 
     def __call__(self, call: Call, failure: Failure, distributed: bool, bounded: bool) -> Move | None:
         chosen = self.ladder.next(failure.plan, self.escalation(call, failure, distributed))

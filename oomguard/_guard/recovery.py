@@ -31,8 +31,9 @@ __all__ = [
     "released",
 ]
 
-#: Why the guard gives up on a batch: nothing left on the ladder, or a bound on attempts or time.
-GiveUp = Literal["ladder", "attempts", "time"]
+#: Why the guard gives up on a batch: nothing left on the ladder, a bound on attempts or time, or host memory ran
+#: out (which the ladder cannot relieve: its next rungs offload more to the host).
+GiveUp = Literal["ladder", "attempts", "time", "host"]
 
 
 @dataclass(eq=False)
@@ -46,6 +47,7 @@ class Failure:
     #: The error, released from its frames (see :func:`released`): the cause of an error that gives up.
     error: BaseException
     agreed_phase: Phase | None = None  # under distributed training: the deepest phase any rank failed in
+    host: bool = False  # host memory ran out (RAM), not the device's: not retried down the ladder
 
 
 def released(exc: BaseException) -> BaseException:
@@ -155,10 +157,13 @@ def give_up_message(
     bounds: Bounds,
     rungs: str,
     unrestored: str | None = None,
+    host_budget: int | None = None,
 ) -> str:
-    """Why the guard gave up on ``call`` (``reason``: "ladder", "attempts" or "time"), what it tried, the fix;
-    ``unrestored`` says what of the model could not be put back, if anything."""
+    """Why the guard gave up on ``call`` (``reason``: "ladder", "attempts", "time" or "host"), what it tried, the
+    fix; ``unrestored`` says what of the model could not be put back, if anything; ``host_budget``, the guard's."""
     last = call.tried[-1][1]
+    if reason == "host":
+        return _host_message(call, step, memory, rungs, unrestored, host_budget)
     headline = {
         "ladder": "every plan on the ladder ran out of memory",
         "attempts": f"the bound of {bounds.max_attempts} attempts was reached",
@@ -175,16 +180,36 @@ def give_up_message(
         "attempts": "raise max_attempts=, or lower the batch size so fewer fallbacks are needed",
         "time": "raise max_recovery_seconds=, or lower the batch size so fewer fallbacks are needed",
     }[reason]
-    state = (
-        "the model, optimizer and scheduler are unchanged"
-        if unrestored is None
-        else f"the optimizer and scheduler are unchanged, but {unrestored}"
-    )
+    state = _state(unrestored)
     return (
         f"oomguard gave up on step {step} (a batch of {call.size} sample(s)): {headline}; {state}.\nTried:\n{tried}\n"
         f"Memory: capacity {format_bytes(last.memory.capacity)}, in use {format_bytes(last.memory.allocated)} "
         f"at the last failure, tried to allocate {format_bytes(last.requested_bytes)}; "
         f"{format_bytes(memory.allocated)} in use after freeing.\nWhat you can do: {fix}."
+    )
+
+
+def _state(unrestored: str | None) -> str:
+    if unrestored is None:
+        return "the model, optimizer and scheduler are unchanged"
+    return f"the optimizer and scheduler are unchanged, but {unrestored}"
+
+
+def _host_message(
+    call: Call, step: int, memory: MemorySnapshot, rungs: str, unrestored: str | None, host_budget: int | None
+) -> str:
+    """Why the guard gave up when host memory ran out: where, on which plan, what the host said, the fix."""
+    plan, last = call.tried[-1]
+    budget = "unknown" if host_budget is None else format_bytes(host_budget)
+    return (
+        f"oomguard gave up on step {step} (a batch of {call.size} sample(s)): host memory (RAM) ran out "
+        f"({last.describe()}) on the plan {plan.describe(call.size)}, not the device's memory, so the guard did not "
+        f"move down the ladder (its next rungs offload more to the host); {_state(unrestored)}.\n"
+        f"Host: {last.error_type}: {last.message}\nHost budget: {budget}; device memory in use after freeing: "
+        f"{format_bytes(memory.allocated)}.\nWhat you can do: give the job more host RAM, or set host_memory= to "
+        f"what it may really use; put quantized_optimizer on the ladder (8-bit optimizer state: about a quarter "
+        f"of Adam's host bytes) before optimizer_offload, offload fewer layers, prefer checkpointing to "
+        f"activation_offload, or lower the batch size (ladder in use: {rungs or 'none'})."
     )
 
 

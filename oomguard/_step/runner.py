@@ -20,7 +20,7 @@ import torch
 from torch._guards import detect_fake_mode
 
 from oomguard._backends.memory import MemoryBackend
-from oomguard._detect import is_oom
+from oomguard._detect import is_device_oom
 from oomguard._distributed.agreement import Agreement, quiet_ddp
 from oomguard._distributed.peers import Outcome, peer_failure
 from oomguard._effects.effects import Effects
@@ -216,7 +216,7 @@ class StepRunner:
 
     def _clip_and_step(self, plan: Plan, backend: MemoryBackend, scaler: torch.amp.GradScaler | None) -> float | None:
         """Clip, then the optimizer and scheduler steps as one transaction; the gradients are dropped after."""
-        grad_norm = self._clip(scaler)
+        grad_norm = self._clip(scaler, backend)
         self.progress.phase = Phase.OPTIMIZER
         self.optimizer_step(plan, backend, scaler)
         self.progress.phase = Phase.DONE
@@ -261,7 +261,7 @@ class StepRunner:
                 raise
             failure = exc  # re-raised below, once the other ranks know
         if self.agreement is not None:
-            outcome: Outcome = "ok" if failure is None else ("oom" if _is_retryable(failure) else "fatal")
+            outcome: Outcome = "ok" if failure is None else ("oom" if _is_retryable(failure, job.backend) else "fatal")
             journal = failure is not None or not self.transaction.can_skip_journal(job.backend)
             verdict = self.progress.verdict = self.agreement.after_backward(outcome, self.progress.phase, journal)
             if verdict.outcome != "ok":
@@ -322,7 +322,7 @@ class StepRunner:
         else:
             loss.backward()  # type: ignore[no-untyped-call]
 
-    def _clip(self, scaler: torch.amp.GradScaler | None) -> float | None:
+    def _clip(self, scaler: torch.amp.GradScaler | None, backend: MemoryBackend) -> float | None:
         """Clip the whole batch's gradient norm; a failure here is agreed like a failed optimizer step."""
         if self.max_grad_norm is None:
             return None
@@ -339,12 +339,13 @@ class StepRunner:
             return norm
         except Exception as exc:
             if self.agreement is not None:  # the other ranks are about to agree after their step
-                self.agreement.after_step("oom" if _is_retryable(exc) else "fatal")
+                self.agreement.after_step("oom" if _is_retryable(exc, backend) else "fatal")
             raise
 
 
-def _is_retryable(exc: BaseException) -> bool:
-    return is_oom(exc) and not isinstance(exc, OOMGuardError)
+def _is_retryable(exc: BaseException, backend: MemoryBackend) -> bool:
+    """An OOM every rank retries on the next plan; the host's (RAM) is not: the ranks stop together instead."""
+    return is_device_oom(exc, separate_host=backend.offloads) and not isinstance(exc, OOMGuardError)
 
 
 def _part_sizes(size: int, micro: int) -> list[int]:

@@ -22,8 +22,18 @@ class SimulatedGPU(AccountedDevice):
     dynamo skip the frame, and dynamo caches the skip until ``torch._dynamo.reset()``): a compiled model runs
     eagerly, with eager memory figures, and :meth:`adopt` (or the guard's first call) warns once.
 
+    The host is simulated too: every host tensor the guard makes through it (what ``to_host`` returns: offloaded
+    optimizer state and master weights, offloaded blocks, activation offload's saved tensors, the journal's copies;
+    and what the optimizer's step on the host computes from them) counts as host memory until it is freed, read with
+    :meth:`host_memory_allocated` and :meth:`max_host_memory_allocated` (``reset_peak_memory_stats`` resets both
+    peaks). Past ``host_capacity`` a host allocation raises ``MemoryError`` naming host memory: the stand-in for the
+    kernel's OOM killer, which on a real machine ends the process without an exception.
+    :meth:`fail_host_allocation` makes one host allocation fail, as a failed ``cudaHostAlloc`` does.
+
     Args:
         capacity: bytes, or a string such as ``"6GiB"`` or ``"64MiB"``.
+        host_capacity: the host memory the guard may allocate, bytes or a string (default None: counted, never
+            refused); it is also the guard's host budget (``host_memory=``) while the simulation is active.
 
     >>> import torch
     >>> from oomguard.testing import SimulatedGPU

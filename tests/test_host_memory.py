@@ -1,0 +1,245 @@
+"""Host memory, the guard's second budget: how much of it the guard may use (``host_memory=``, the OS's figure
+with a container's cgroup limit, a simulated host's limit), and what happens when a host allocation fails."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from helpers.batches import tuple_batch
+from helpers.models import make_mlp
+from helpers.steps import mse_step
+
+from oomguard import GuardConfigError, HostMemoryError, OOMGuard, Plan, oom_guard
+from oomguard._backends import host
+from oomguard._backends.host import HOST_MARGIN_MIN_BYTES, available_host_memory, host_budget
+from oomguard._backends.memory import CudaMemory
+from oomguard._backends.units import GiB
+from oomguard._detect import is_device_oom, is_host_oom
+from oomguard.testing import SimulatedGPU
+
+DEFAULT = SimpleNamespace(host_bytes=None)  # the options of a guard given no host_memory=
+
+
+def fake_machine(root: Path, available: int | None = None, cgroup: str | None = None, **files: str) -> Path:
+    """A fake ``/`` under ``root``: ``/proc/meminfo`` with ``available`` bytes, ``/proc/self/cgroup`` with
+    ``cgroup``, and each of ``files`` (a path below ``/sys/fs/cgroup``, ``__`` for ``/``) with its text."""
+    (root / "proc" / "self").mkdir(parents=True)
+    if available is not None:
+        (root / "proc" / "meminfo").write_text(
+            f"MemTotal: {4 * available // 1024} kB\nMemFree: 1024 kB\nMemAvailable: {available // 1024} kB\n"
+        )
+    if cgroup is not None:
+        (root / "proc" / "self" / "cgroup").write_text(cgroup)
+    for name, text in files.items():
+        path = root / "sys" / "fs" / "cgroup" / name.replace("__", "/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_the_default_budget_is_what_the_os_says_is_available_less_a_tenth_or_1_gib(tmp_path: Path) -> None:
+    big = fake_machine(tmp_path / "big", available=32 * GiB)
+    assert available_host_memory(big) == 32 * GiB
+    assert host_budget(DEFAULT, None, big) == 32 * GiB - int(3.2 * GiB), "a tenth of a large machine's"
+    small = fake_machine(tmp_path / "small", available=4 * GiB)
+    assert host_budget(DEFAULT, None, small) == 3 * GiB, "at least 1 GiB left free"
+    tiny = fake_machine(tmp_path / "tiny", available=HOST_MARGIN_MIN_BYTES // 2)
+    assert host_budget(DEFAULT, None, tiny) == 0, "nothing to offload into, rather than a negative budget"
+
+
+def test_a_cgroup_v2_limit_inside_a_container_caps_the_budget(tmp_path: Path) -> None:
+    limited = fake_machine(
+        tmp_path / "v2",
+        available=64 * GiB,
+        cgroup="0::/\n",
+        **{"cgroup.controllers": "cpu memory", "memory.max": str(8 * GiB), "memory.current": str(2 * GiB)},
+    )
+    assert available_host_memory(limited) == 6 * GiB, "the container's headroom, not the machine's"
+    unlimited = fake_machine(
+        tmp_path / "max", available=64 * GiB, cgroup="0::/\n", **{"cgroup.controllers": "memory", "memory.max": "max"}
+    )
+    assert available_host_memory(unlimited) == 64 * GiB
+
+
+def test_the_tightest_cgroup_v2_level_above_the_process_caps_the_budget(tmp_path: Path) -> None:
+    nested = fake_machine(
+        tmp_path / "nested",
+        available=64 * GiB,
+        cgroup="0::/slice/job\n",
+        **{
+            "cgroup.controllers": "memory",
+            "slice__memory.max": str(5 * GiB),  # the parent's limit applies to every child
+            "slice__memory.current": str(1 * GiB),
+            "slice__job__memory.max": "max",
+            "slice__job__memory.current": str(1 * GiB),
+        },
+    )
+    assert available_host_memory(nested) == 4 * GiB
+
+
+def test_a_cgroup_v1_limit_caps_the_budget_and_its_no_limit_value_does_not(tmp_path: Path) -> None:
+    limited = fake_machine(
+        tmp_path / "v1",
+        available=64 * GiB,
+        cgroup="5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n",
+        **{
+            "memory__docker__abc__memory.limit_in_bytes": str(10 * GiB),
+            "memory__docker__abc__memory.usage_in_bytes": str(7 * GiB),
+        },
+    )
+    assert available_host_memory(limited) == 3 * GiB
+    unlimited = fake_machine(
+        tmp_path / "v1-none",
+        available=64 * GiB,
+        cgroup="5:memory:/\n",
+        **{"memory__memory.limit_in_bytes": "9223372036854771712", "memory__memory.usage_in_bytes": str(GiB)},
+    )
+    assert available_host_memory(unlimited) == 64 * GiB
+
+
+def test_without_proc_psutil_says_and_without_either_the_budget_is_unknown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bare = tmp_path / "mac"
+    bare.mkdir()
+    monkeypatch.setattr(host, "_psutil_available", lambda: 12 * GiB)
+    assert available_host_memory(bare) == 12 * GiB
+    monkeypatch.setattr(host, "_psutil_available", lambda: None)
+    assert available_host_memory(bare) is None and host_budget(DEFAULT, None, bare) is None
+
+
+def test_host_memory_is_the_budget_as_given_and_a_simulated_host_is_its_own(tmp_path: Path) -> None:
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert OOMGuard(mse_step(model), model=model, optimizer=optimizer, host_memory="16GiB").host_budget == 16 * GiB
+    guard = OOMGuard(mse_step(model), model=model, optimizer=optimizer)
+    with SimulatedGPU("1MiB", host_capacity="3MiB"):
+        assert guard.host_budget == 3 * 2**20
+        guard((torch.randn(4, 16), torch.randn(4)))  # the first call fixes it
+    assert guard.host_budget == 3 * 2**20, "resolved once, at the first call"
+    with SimulatedGPU("1MiB"):
+        assert guard.host_budget == 3 * 2**20
+        unlimited = OOMGuard(mse_step(model), model=model, optimizer=optimizer)
+        assert unlimited.host_budget is None, "a simulated host without host_capacity has no limit"
+    unlimited.close()
+    guard.close()
+
+
+@pytest.mark.parametrize("bad", ["lots", -1, 0, 1.5])
+def test_a_host_memory_that_is_no_size_is_refused_clearly(bad: object) -> None:
+    model = make_mlp()
+    with pytest.raises(GuardConfigError, match=r"host_memory=.*'16GiB'"):
+        OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters()), host_memory=bad)
+
+
+# -- a host allocation that fails is host memory: not escalated, nothing committed ---------------------------------
+
+WIDTH = 256  # an MLP of 4609 parameters: 18,436 bytes of fp32 weights
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def snapshot_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], Any]:
+    """The weights and the optimizer's state, copied: what a call that commits nothing leaves as it found."""
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(optimizer.state_dict())
+
+
+def assert_unchanged(model: torch.nn.Module, optimizer: torch.optim.Optimizer, before: tuple[list[Any], Any]) -> None:
+    weights, state = before
+    for p, q in zip(model.parameters(), weights, strict=True):
+        assert torch.equal(p, q)
+    now = optimizer.state_dict()
+    assert now["state"].keys() == state["state"].keys()
+    for key, entry in state["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(torch.as_tensor(now["state"][key][name]), torch.as_tensor(value)), (key, name)
+
+
+def test_host_memory_running_out_under_optimizer_offload_raises_host_memory_error_and_commits_nothing() -> None:
+    model = make_mlp(width=WIDTH)
+    optimizer = torch.optim.Adam(model.parameters())
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=["optimizer_offload", "layer_offload"])
+    before = snapshot_of(model, optimizer)
+    host = weights_bytes(model)  # one copy of the weights: the step journal fits, the host step's copies do not
+    # The device holds the weights, gradients and activations, not Adam's two moments (measured: 111,616 bytes
+    # for the plain step, 48,128 with the optimizer on the host).
+    with SimulatedGPU((111_616 + 48_128) // 2, host_capacity=host) as gpu:
+        gpu.adopt(model)
+        with pytest.raises(HostMemoryError, match=r"host memory \(RAM\) ran out") as raised:
+            step(tuple_batch(n=8))
+        assert gpu.max_host_memory_allocated() <= host
+        assert gpu.host_memory_allocated() == 0, "giving up, the guard let go of all it held on the host"
+        assert step.guard.host_budget == host
+    message = str(raised.value)
+    assert "host memory exhausted" in message and "18.0 KiB" in message, "what the host said: wanted, in use, limit"
+    assert "host_memory=" in message and "quantized_optimizer" in message, "and the fix"
+    assert isinstance(raised.value, MemoryError)
+    kinds = [(event.kind, getattr(event, "reason", None)) for event in step.guard.events if event.kind != "progress"]
+    assert kinds == [("oom", None), ("fallback", None), ("oom", None), ("exhausted", "host")], (
+        "one device OOM moved to optimizer_offload; the host's did not move on to layer_offload"
+    )
+    assert [plan.optimizer_offload for plan, _ in raised.value.tried] == [False, True]
+    assert_unchanged(model, optimizer, before)
+    assert not step.guard.effects.holds, "the offload was undone, as when the guard gives up"
+
+
+def test_a_failed_pinned_allocation_during_activation_offload_is_not_escalated_and_commits_nothing() -> None:
+    model = make_mlp(width=WIDTH)
+    optimizer = torch.optim.Adam(model.parameters())
+    ladder = ["activation_offload", "optimizer_offload", "layer_offload"]
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=ladder, relax_after=None)
+    step.guard.plan = Plan(activation_offload=True)
+    with SimulatedGPU("1MiB") as gpu:
+        gpu.adopt(model)
+        step(tuple_batch(n=8, seed=1))  # Adam's state exists: the next step's journal has it all to undo
+        before = snapshot_of(model, optimizer)
+        gpu.fail_host_allocation(1)  # the next saved activation's host buffer (a failed cudaHostAlloc)
+        with pytest.raises(HostMemoryError, match=r"host memory \(RAM\) ran out \(OOM in forward") as raised:
+            step(tuple_batch(n=8, seed=2))
+        assert [plan for plan, _ in raised.value.tried] == [Plan(activation_offload=True)], "no rung was tried next"
+        assert_unchanged(model, optimizer, before)
+        assert step(tuple_batch(n=8, seed=2)).ooms == 0, "caught, the same batch trains once the host has room"
+    assert [event.kind for event in step.guard.events if event.kind not in ("progress", "oom")] == ["exhausted"]
+
+
+def test_a_pinned_allocation_that_fails_with_cudas_words_is_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    empty = torch.empty
+
+    def no_pinned_memory(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        if pin_memory:  # what cudaHostAlloc's failure reads like: the words of a device OOM
+            raise RuntimeError("CUDA error: out of memory\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", no_pinned_memory)
+    cuda = CudaMemory(torch.device("cuda", 0))  # (its to_host pins before it touches the device)
+    with pytest.raises(MemoryError, match=r"host memory: a pinned host buffer of 4\.0 KiB") as raised:
+        cuda.to_host(torch.ones(1024))
+    assert is_host_oom(raised.value) and not is_device_oom(raised.value, separate_host=True)
+    assert isinstance(raised.value.__cause__, RuntimeError), "CUDA's own error is kept as the cause"
+    device_words = RuntimeError("CUDA error: out of memory")  # the same words from anywhere else: the device's
+    assert is_device_oom(device_words, separate_host=True) and not is_host_oom(device_words)
+
+
+def test_a_step_back_up_that_runs_out_of_host_memory_goes_back_to_the_plan_that_worked() -> None:
+    model = make_mlp(width=WIDTH)
+    optimizer = torch.optim.Adam(model.parameters())
+    ladder = ["micro_batch", "activation_offload"]
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=ladder, relax_after=2, tune_after=None)
+    worked = Plan(micro_batch_size=4, activation_offload=True)
+    step.guard.plan = worked
+    with SimulatedGPU("1MiB") as gpu:
+        gpu.adopt(model)
+        step(tuple_batch(n=8, seed=1))
+        step(tuple_batch(n=8, seed=2))  # two clean steps: the next call steps back up to the whole batch
+        gpu.fail_host_allocation(1)  # whose larger saved activations do not fit on the host
+        result = step(tuple_batch(n=8, seed=3))
+    assert (result.ooms, result.plan) == (1, worked), "not down the ladder, nor given up: the plan that worked"
+    relaxes = [event for event in step.guard.events if event.kind == "relax"]
+    assert [(event.outcome, event.rung) for event in relaxes] == [("failed", "micro_batch")]  # type: ignore[attr-defined]
