@@ -584,3 +584,74 @@ def test_the_rung_never_engages_where_it_would_not_be_exact() -> None:
         with pytest.raises(LadderExhausted):
             train(batch)
     assert "forward" not in vars(model.lm_head), "the head was never patched"
+
+
+# -- torch.compile: the lazy head is a graph break, the loss's chunks run eagerly between compiled graphs ---------
+
+
+class TinyCausalLM(torch.nn.Module):
+    """The shape of transformers' ``*ForCausalLM`` in a few lines (its forward calls ``self.lm_head`` and then
+    ``self.loss_function``, which has a setter), small enough for dynamo to compile in seconds on a CPU: the test
+    is about what torch.compile does with the rung's head and loss, not about the layers in between."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.vocab = vocab
+
+    @property
+    def loss_function(self) -> Any:
+        return vars(self).get("_loss_function", ForCausalLMLoss)
+
+    @loss_function.setter
+    def loss_function(self, value: Any) -> None:
+        self._loss_function = value
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> dict[str, torch.Tensor]:
+        logits = self.lm_head(torch.tanh(self.embed(input_ids)))
+        loss = self.loss_function(logits, labels, vocab_size=self.vocab, **kwargs)
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_step_calling_a_compiled_model_trains_on_the_models_own_loss() -> None:
+    """``torch.compile`` (backend "eager": dynamo's tracing, no code generation) compiles the model's code and
+    leaves the lazy head and the chunked loss to run eagerly, as they say (no warning from dynamo that asks the
+    user to file an issue); the losses are the uncompiled model's own. (Not under the simulated GPU: its dispatch
+    mode makes dynamo skip every frame.)"""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from oomguard import OOMGuard, Plan
+
+    batch = ragged()
+    batch.pop("attention_mask")
+    reference = TinyCausalLM()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    want = []
+    for _ in range(2):
+        loss = reference(**batch)["loss"]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(loss.item())
+    torch._dynamo.reset()
+    counters.clear()
+    model = TinyCausalLM()
+    compiled = torch.compile(model, backend="eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outputs: list[dict[str, torch.Tensor]] = []
+    guard = OOMGuard(lambda b: outputs.append(compiled(**b)) or outputs[-1]["loss"], model=model, optimizer=optimizer)
+    guard.plan = Plan().with_level("chunked_loss", 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [guard(batch).loss for _ in range(2)]
+    guard.close()
+    assert counters["stats"]["unique_graphs"] > 0, "dynamo compiled the model's code"
+    assert not [w for w in caught if "Dynamo" in str(w.message)], [str(w.message)[:200] for w in caught]
+    assert all(isinstance(o["logits"], LazyLogits) and not o["logits"].materialized for o in outputs)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)

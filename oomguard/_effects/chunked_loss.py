@@ -185,6 +185,10 @@ class _LazyHead:
     def __init__(self, head: torch.nn.Linear) -> None:
         self.head = head
 
+    # Run eagerly under torch.compile: dynamo cannot trace the making of a wrapper subclass and would break its
+    # graph here anyway, with a warning that asks the user to file an issue; this says it is meant. The layers
+    # before the head and the code after the loss still compile.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.head
         dtype = compute_dtype(hidden, head.weight)  # read now: the planner swaps fakes in for the parameters
@@ -200,6 +204,9 @@ class _ChunkedLossFunction:
     def __init__(self, original: Any, chunk_bytes: int | None) -> None:
         self.original, self.chunk_bytes = original, chunk_bytes
 
+    # Eager under torch.compile, as the head is: the chunks' local autograd (``torch.autograd.grad`` under saved
+    # tensor hooks) is not traceable, and its allocations stay ordinary ops the simulator and the planner count.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def __call__(
         self,
         logits: torch.Tensor,
