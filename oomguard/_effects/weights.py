@@ -5,10 +5,10 @@ For models whose frozen parameters dominate (a PEFT LoRA job: the base model is 
 frozen ``nn.Linear`` weight on the device is kept as int8 codes with one fp32 scale per output channel, about a
 quarter of its fp32 size; one level deeper, as 4-bit NF4 codes with one fp32 absolute maximum per 64 values,
 0.56 bytes a value (:mod:`oomguard._effects.codec`). Trainable parameters are never quantized; weights shared
-with another module (tied embeddings), weights of fewer than 1,024 values and weights that hold a gradient are
-left as they are. The exact original of each weight is kept in host memory: undo (relaxing, ``guard.close()``,
-giving up) puts it back bit for bit, ``model.state_dict()`` gives it, and ``load_state_dict`` writes it (and the
-layer is quantized again).
+with another module (tied embeddings), weights of fewer than 1,024 values, weights that hold a gradient and, while
+the plan has the chunked loss, the output head (:func:`chunked_head`) are left as they are. The exact original of
+each weight is kept in host memory: undo (relaxing, ``guard.close()``, giving up) puts it back bit for bit,
+``model.state_dict()`` gives it, and ``load_state_dict`` writes it (and the layer is quantized again).
 
 The weight stays the same parameter object, the one the user's optimizer may hold (``AdamW(model.parameters())``
 holds the frozen ones too): its contents are swapped (``torch.utils.swap_tensors``; a weight that cannot be, for
