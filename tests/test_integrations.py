@@ -195,3 +195,34 @@ def test_label_smoothing_keeps_the_chunked_loss_off_and_trains_as_the_plain_trai
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     reference_losses = [entry["loss"] for entry in plain.state.log_history if "loss" in entry]
     assert len(losses) == 2 and losses == pytest.approx(reference_losses, rel=1e-5)
+
+
+def test_a_compute_loss_func_keeps_the_chunked_loss_off_while_the_trainer_trains(tmp_path: Path) -> None:
+    """A ``compute_loss_func`` computes the loss from the model's outputs too (the labels are taken out)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from oomguard._effects.chunked_loss import ChunkedLoss
+    from oomguard.integrations.transformers import OOMGuardTrainer
+
+    model = make_llama(layers=2, hidden=64)
+    seen: list[str | None] = []
+
+    class Seen(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            seen.append(ChunkedLoss.applies(model))
+
+    def loss_from_outputs(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+        loss: torch.Tensor = ForCausalLMLoss(outputs.logits, labels, 64, num_items_in_batch=num_items_in_batch)
+        return loss
+
+    trainer = OOMGuardTrainer(
+        model=model,
+        args=training_args(tmp_path, max_steps=1),
+        train_dataset=RaggedText(),
+        compute_loss_func=loss_from_outputs,
+        callbacks=[Seen()],
+    )
+    assert ChunkedLoss.applies(model) is None  # (the trainer refuses the rung while it trains, not before)
+    trainer.train()
+    assert seen and seen[0] is not None and "compute_loss_func" in seen[0], seen
+    assert ChunkedLoss.applies(model) is None
