@@ -4,6 +4,9 @@ Each rank trains the same MLP under DDP on its half of every global batch, on it
 a smaller budget (the whole batch does not fit there, so both ranks must agree on micro-batches from step 0) and
 runs out of memory on purpose in the forward of step 1, in the backward of step 2, in the optimizer step of step
 3 and in the optimizer step of step 0 (Adam's lazy first step). Rank 0 writes what it saw; both write weights.
+
+Mode "chunked" trains a tiny Qwen2 (tied embeddings) instead, on a plan with the chunked_loss rung, and rank 1 runs
+out of memory inside the chunked loss of step 1 (see :func:`chunked_main`).
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers.batches import tuple_batch
-from helpers.models import make_mlp
+from helpers.batches import ragged_lm_batch, tuple_batch
+from helpers.models import make_mlp, make_qwen2
 from helpers.steps import LADDER_WITHOUT_OPTIMIZER_OFFLOAD
 
-from oomguard import OOMGuard
+from oomguard import OOMGuard, Plan
 from oomguard.testing import SimulatedGPU
 
 STEPS = 5
@@ -41,8 +44,61 @@ def batches(rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+#: The chunked mode's global batches: right-padded rows whose halves (rows rank, rank + 2) hold the same number
+#: of counted tokens (11 + 6 and 8 + 9 after the shift), so DDP's average of the two ranks' mean losses is the
+#: whole batch's mean and a single process on the global batch trains alike.
+CHUNKED_LENGTHS = [12, 9, 7, 10]
+CHUNKED_STEPS = 3
+
+
+def chunked_batches(rank: int | None = None, world: int = 2) -> list[dict[str, torch.Tensor]]:
+    """The chunked mode's global batches (``rank``: that rank's share)."""
+    whole = [ragged_lm_batch(CHUNKED_LENGTHS, seq_len=12, seed=step) for step in range(CHUNKED_STEPS)]
+    if rank is None:
+        return whole
+    return [{key: value[rank::world].contiguous() for key, value in batch.items()} for batch in whole]
+
+
+def chunked_main(rank: int, world: int, out: Path) -> None:
+    """The Qwen2 under DDP on a plan with chunked_loss (its head and loss found inside the DDP wrapper). In step 1,
+    rank 1's first allocation after the final norm fails: inside the chunked loss (the lazy head allocates
+    nothing); both ranks then retry on micro-batches, still chunked. Both write their weights and plans."""
+    model = make_qwen2()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2, eps=EPS)
+    gpu = SimulatedGPU("64MiB")
+    armed = [False]
+    step_index = [0]
+
+    def loss_fault(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if rank == 1 and step_index[0] == 1 and not armed[0]:
+            armed[0] = True
+            gpu.fail_allocation(1)
+
+    model.model.norm.register_forward_hook(loss_fault)
+    guard = OOMGuard(lambda batch: ddp(**batch), model=ddp, optimizer=optimizer, log_file=out / "events.jsonl")
+    guard.plan = Plan().with_level("chunked_loss", 1)
+    report: dict[str, Any] = {"steps": []}
+    with gpu:
+        gpu.adopt(model)
+        for step, batch in enumerate(chunked_batches(rank, world)):
+            step_index[0] = step
+            result = guard(batch)
+            report["steps"].append({"plan": result.plan.describe(), "ooms": result.ooms, "rungs": result.rungs})
+    report["patched"] = "forward" in vars(model.lm_head)  # the rung held the inner model's head to the end
+    guard.close()
+    report["fault_fired"] = armed[0] and not gpu.fault_pending
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"weights{rank}.pt")
+    (out / f"report{rank}.json").write_text(json.dumps(report))
+
+
 def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if mode == "chunked":
+        chunked_main(rank, world, out)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if mode == "hang":  # the harness's own check: rank 1 never joins the collective, rank 0 waits forever
         if rank == 0:
             dist.barrier()

@@ -603,3 +603,134 @@ def test_the_rung_never_engages_where_it_would_not_be_exact() -> None:
         with pytest.raises(LadderExhausted):
             train(batch)
     assert "forward" not in vars(model.lm_head), "the head was never patched"
+
+
+# -- torch.compile: the lazy head is a graph break, the loss's chunks run eagerly between compiled graphs ---------
+
+
+class TinyCausalLM(torch.nn.Module):
+    """The shape of transformers' ``*ForCausalLM`` in a few lines (its forward calls ``self.lm_head`` and then
+    ``self.loss_function``, which has a setter), small enough for dynamo to compile in seconds on a CPU: the test
+    is about what torch.compile does with the rung's head and loss, not about the layers in between."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.vocab = vocab
+
+    @property
+    def loss_function(self) -> Any:
+        return vars(self).get("_loss_function", ForCausalLMLoss)
+
+    @loss_function.setter
+    def loss_function(self, value: Any) -> None:
+        self._loss_function = value
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> dict[str, torch.Tensor]:
+        logits = self.lm_head(torch.tanh(self.embed(input_ids)))
+        loss = self.loss_function(logits, labels, vocab_size=self.vocab, **kwargs)
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_step_calling_a_compiled_model_trains_on_the_models_own_loss() -> None:
+    """``torch.compile`` (backend "eager": dynamo's tracing, no code generation) compiles the model's code and
+    leaves the lazy head and the chunked loss to run eagerly, as they say (no warning from dynamo that asks the
+    user to file an issue); the losses are the uncompiled model's own. (Not under the simulated GPU: its dispatch
+    mode makes dynamo skip every frame.)"""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from oomguard import OOMGuard, Plan
+
+    batch = ragged()
+    batch.pop("attention_mask")
+    reference = TinyCausalLM()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    want = []
+    for _ in range(2):
+        loss = reference(**batch)["loss"]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(loss.item())
+    torch._dynamo.reset()
+    counters.clear()
+    model = TinyCausalLM()
+    compiled = torch.compile(model, backend="eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outputs: list[dict[str, torch.Tensor]] = []
+    guard = OOMGuard(lambda b: outputs.append(compiled(**b)) or outputs[-1]["loss"], model=model, optimizer=optimizer)
+    guard.plan = Plan().with_level("chunked_loss", 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [guard(batch).loss for _ in range(2)]
+    guard.close()
+    assert counters["stats"]["unique_graphs"] > 0, "dynamo compiled the model's code"
+    assert not [w for w in caught if "Dynamo" in str(w.message)], [str(w.message)[:200] for w in caught]
+    assert all(isinstance(o["logits"], LazyLogits) and not o["logits"].materialized for o in outputs)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+
+
+# -- with quantized_weights: the head is the chunked loss's, and stays whole ----------------------------------------
+
+
+def _frozen_head_llama() -> torch.nn.Module:
+    """A LoRA-like job's base: the head and the attention projections frozen (8-bit candidates), the rest trains."""
+    model = llama()
+    for name, param in model.named_parameters():
+        if name == "lm_head.weight" or name.endswith(("q_proj.weight", "o_proj.weight")):
+            param.requires_grad_(False)
+    return model
+
+
+def test_a_plan_with_quantized_weights_and_the_chunked_loss_keeps_the_head_whole_and_the_models_own_loss() -> None:
+    """quantized_weights quantizes the frozen head on its own; on a plan that has chunked_loss too it gives the
+    head back whole first (the chunked loss reads its weight per chunk) and the loss is the model's own on those
+    weights, as the planner's dry run computes it with the rung set aside."""
+    from oomguard import OOMGuard, Plan
+    from oomguard._effects.qweight import QuantizedWeight
+    from oomguard._rungs.chunked_loss import ChunkedLossEffect
+
+    model = _frozen_head_llama()
+    batch = ragged()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)  # (weights stay)
+    outputs: list[Any] = []
+    guard = OOMGuard(lambda b: outputs.append(model(**b)) or outputs[-1], model=model, optimizer=optimizer, ladder=[])
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard.plan = Plan(quantized_weights=True)
+        guard(batch)
+        assert isinstance(model.lm_head.weight, QuantizedWeight), "alone, the rung quantizes the frozen head"
+        guard.plan = Plan(quantized_weights=True).with_level("chunked_loss", 1)
+        got = guard(batch).loss
+        assert type(model.lm_head.weight) is torch.nn.Parameter, "the head is whole again"
+        assert isinstance(model.model.layers[0].self_attn.q_proj.weight, QuantizedWeight), "the others are not"
+        assert isinstance(outputs[-1].logits, LazyLogits) and not outputs[-1].logits.materialized
+        (chunking,) = [e for e in guard.effects._effects if isinstance(e, ChunkedLossEffect)]
+        aside = chunking.suspended()
+        assert aside is not None
+        with aside, torch.no_grad():  # the model's own loss, the quantized weights as they are
+            want = model(**batch).loss
+        assert "forward" in vars(model.lm_head), "patched again after"
+    guard.close()
+    assert_close_relative(torch.tensor(got), want, 1e-5)
+
+
+def test_quantized_weights_has_nothing_to_give_on_a_chunked_plan_where_only_the_head_is_frozen() -> None:
+    from oomguard import Plan
+    from oomguard._effects.base import EffectTarget
+    from oomguard._ladder.rungs import RungContext
+    from oomguard._rungs.quantized_weights import QuantizedWeights
+
+    model = llama()
+    model.lm_head.weight.requires_grad_(False)
+    rung = QuantizedWeights()
+    facts = dict(rung.facts(EffectTarget(model, torch.optim.AdamW(model.parameters()), [])))
+    context = RungContext(batch_size=3, frozen_linears=facts.pop("frozen_linears"), facts=facts)
+    assert rung.deeper(Plan(), context) == Plan(quantized_weights=True)  # the head alone is worth quantizing
+    assert rung.deeper(Plan().with_level("chunked_loss", 1), context) is None  # not while it is the chunked loss's

@@ -95,6 +95,34 @@ def assert_replicas_equal_a_single_process_run(out: Path) -> None:
         torch.testing.assert_close(weights[0][name], value, rtol=1e-4, atol=1e-5)
 
 
+def test_two_ranks_on_the_chunked_loss_agree_and_equal_a_single_process_run(tmp_path: Path) -> None:
+    """A Qwen2 under DDP, the chunked_loss rung on: the rung finds the head and loss inside the wrapper, and the
+    head's (tied) weight gradient it makes in the forward reaches DDP's all-reduce (else the replicas would part).
+    Rank 1 runs out of memory inside the chunked loss of step 1: both ranks retry on micro-batches, chunked."""
+    from dist_worker import chunked_batches
+    from helpers.models import make_qwen2
+
+    codes, hung = launch(WORKER, tmp_path, "chunked", timeout=180)
+    assert not hung and codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+    rank0, rank1 = reports(tmp_path)
+    assert rank1["fault_fired"] and not rank0["fault_fired"]
+    assert rank0["steps"] == rank1["steps"], "the ranks agreed on every plan"
+    assert [s["ooms"] for s in rank0["steps"]] == [0, 1, 0]
+    assert all("chunked loss" in s["plan"] for s in rank0["steps"]), rank0["steps"]
+    assert rank0["patched"] and rank1["patched"]
+    weights = [torch.load(tmp_path / f"weights{rank}.pt") for rank in range(WORLD)]
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), f"{name} differs between the ranks"
+    reference = make_qwen2()  # one process, the whole global batch, the model's own (unchunked) loss
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-3)
+    for batch in chunked_batches():
+        optimizer.zero_grad()
+        reference(**batch).loss.backward()
+        optimizer.step()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(weights[0][name], value, rtol=1e-4, atol=1e-5)
+
+
 def test_the_agreement_allocates_no_device_memory(agreed_run: Path) -> None:
     assert [r["agreement_allocations"] for r in reports(agreed_run)] == [0, 0]
 

@@ -8,8 +8,9 @@ weights, optimizer, scheduler and scaler state bit for bit, every sample seen ex
 succeeded, one Adam step and one scheduler step, and device memory back to where it belongs.
 
 ``-m slow`` sweeps every allocation: of two steps of a tiny block MLP (the first, when Adam builds its state,
-and a steady-state one) on every configuration, of the first step of a tiny transformers Llama, and of two steps
-on one of two gloo ranks. The default run samples the edges of every phase (see ``DEFAULT_SAMPLES``). Double
+and a steady-state one) on every configuration, of the first step of a tiny transformers Llama, of the first
+step of a tiny Qwen2 on the chunked_loss rung (alone and with micro-batches), and of two steps on one of two gloo
+ranks. The default run samples the edges of every phase (see ``DEFAULT_SAMPLES``). Double
 faults (an OOM while the guard is recovering from one) are at the end.
 """
 
@@ -28,10 +29,13 @@ import pytest
 import torch
 from helpers.launch import launch
 from helpers.sweep import (
+    CHUNK_BYTES,
+    CHUNKED_CONFIGS,
     DEFAULT_DIST_CONFIGS,
     DIST_CONFIGS,
     FROZEN_LLAMA,
     LLAMA,
+    QWEN2,
     TINY,
     Outcome,
     PhaseGPU,
@@ -141,6 +145,47 @@ def test_an_oom_at_every_allocation_of_a_step_with_quantized_frozen_weights_lose
 @pytest.mark.parametrize("name", QUANTIZED_WEIGHTS)
 def test_an_oom_at_sampled_allocations_of_a_step_with_quantized_frozen_weights_loses_nothing(name: str) -> None:
     check_sweep(FROZEN_LLAMA, name, QUANTIZED_WEIGHTS[name], phase_edges, PHASES, steps=2)
+
+
+def loss_edges(step: int, phases: list[str]) -> list[int]:
+    """Where the chunked loss works (first step only): the forward's last allocation (in the loss's last chunk,
+    after its gradients were made) and the backward's first (the loss's backward comes first)."""
+    return [len(phases) - phases[::-1].index("forward"), phases.index("backward") + 1] if step == 0 else []
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 16 rows (not the 8 MiB floor, which would take a tiny step's loss in one): the sweep then fails
+    the allocations of each chunk of the loss in turn, the last (shorter) one too."""
+    monkeypatch.setattr("oomguard._effects.chunked_ce._FLOOR_BYTES", CHUNK_BYTES)
+
+
+def check_chunked_sweep(name: str, sample: Sample, phases: set[str]) -> None:
+    started = time.monotonic()
+    result = sweep(CHUNKED_CONFIGS[name], sample, workload=QWEN2, steps=1)
+    record(QWEN2, name, result, time.monotonic() - started)
+    assert not result.failures, "\n".join(result.failures[:20])
+    assert result.survived == result.injected > 0
+    assert phases <= set(result.by_phase())
+    # The retry kept the rung (the ladder goes on from the plan that has it): recovered steps were chunked too.
+    assert all("chunked loss" in fault["plan"] for fault in result.faults), [f["plan"] for f in result.faults]
+
+
+# The chunked_loss rung on a Qwen2 (its head and loss patched, the loss's chunks allocating in the forward): every
+# allocation of the first step in the slow suite; in the default run the edges of the loss, alone and with
+# micro-batches (the other phases are the TinyNet's and the Llama's, swept above). Each swept step's loss takes
+# several chunks (see ``small_chunks``).
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("name", CHUNKED_CONFIGS)
+def test_an_oom_at_sampled_allocations_of_a_chunked_loss_step_loses_nothing(name: str) -> None:
+    check_chunked_sweep(name, loss_edges, {"forward", "backward"})
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize("name", CHUNKED_CONFIGS)
+def test_an_oom_at_every_allocation_of_a_chunked_loss_step_loses_nothing(name: str) -> None:
+    check_chunked_sweep(name, every_allocation, PHASES)
 
 
 def llama_sample(step: int, phases: list[str]) -> list[int]:

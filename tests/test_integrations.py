@@ -152,3 +152,77 @@ def test_when_training_ends_the_model_is_as_it_was_given_and_a_second_trainer_ta
         second = OOMGuardTrainer(model=model, args=training_args(tmp_path / "second"), train_dataset=RaggedText())
         second.train()
     assert second.state.global_step == 4
+
+
+def test_label_smoothing_keeps_the_chunked_loss_off_and_trains_as_the_plain_trainer(tmp_path: Path) -> None:
+    """With ``label_smoothing_factor`` the Trainer computes its loss from ``outputs.logits`` (its LabelSmoother):
+    the chunked loss would save nothing there, so it does not engage (an OOM goes to micro-batches), and the
+    losses are the plain Trainer's."""
+    from oomguard._effects.chunked_loss import ChunkedLoss
+    from oomguard.integrations.transformers import OOMGuardTrainer
+
+    args = {"max_steps": 2, "label_smoothing_factor": 0.1}
+    reference = make_llama(layers=2, hidden=64)
+    plain = transformers.Trainer(
+        model=reference, args=training_args(tmp_path / "plain", **args), train_dataset=RaggedText()
+    )
+    plain.train()
+    model = make_llama(layers=2, hidden=64)
+
+    class FaultInTheFirstForward(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 0:
+                gpu.fail_allocation(1)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            seen.append(ChunkedLoss.applies(model))  # (what the guard was told when it asked)
+
+    seen: list[str | None] = []
+    trainer = OOMGuardTrainer(
+        model=model,
+        args=training_args(tmp_path / "guarded", **args),
+        train_dataset=RaggedText(),
+        callbacks=[FaultInTheFirstForward()],
+        oomguard={"ladder": ["chunked_loss", "micro_batch"]},
+    )
+    with SimulatedGPU("64MiB") as gpu:
+        gpu.adopt(model)
+        trainer.train()
+    summary = trainer.oomguard.summary()
+    assert summary.ooms == 1 and "chunked_loss" not in summary.fallbacks and "micro_batch" in summary.fallbacks
+    assert seen[0] is not None and "label_smoothing_factor=0.1" in seen[0], seen
+    assert ChunkedLoss.applies(model) is None, "once training ends, the model is the rung's again"
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    reference_losses = [entry["loss"] for entry in plain.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and losses == pytest.approx(reference_losses, rel=1e-5)
+
+
+def test_a_compute_loss_func_keeps_the_chunked_loss_off_while_the_trainer_trains(tmp_path: Path) -> None:
+    """A ``compute_loss_func`` computes the loss from the model's outputs too (the labels are taken out)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from oomguard._effects.chunked_loss import ChunkedLoss
+    from oomguard.integrations.transformers import OOMGuardTrainer
+
+    model = make_llama(layers=2, hidden=64)
+    seen: list[str | None] = []
+
+    class Seen(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            seen.append(ChunkedLoss.applies(model))
+
+    def loss_from_outputs(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+        loss: torch.Tensor = ForCausalLMLoss(outputs.logits, labels, 64, num_items_in_batch=num_items_in_batch)
+        return loss
+
+    trainer = OOMGuardTrainer(
+        model=model,
+        args=training_args(tmp_path, max_steps=1),
+        train_dataset=RaggedText(),
+        compute_loss_func=loss_from_outputs,
+        callbacks=[Seen()],
+    )
+    assert ChunkedLoss.applies(model) is None  # (the trainer refuses the rung while it trains, not before)
+    trainer.train()
+    assert seen and seen[0] is not None and "compute_loss_func" in seen[0], seen
+    assert ChunkedLoss.applies(model) is None

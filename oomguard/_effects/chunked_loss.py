@@ -17,6 +17,7 @@ its logits are real on first use. :meth:`ChunkedLoss.applies` says which models 
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, cast
 
 import torch
@@ -37,6 +38,10 @@ def _for_causal_lm_loss() -> Any:
         return None
     return ForCausalLMLoss
 
+
+#: Models whose loss is computed from their logits by the code that calls them (the HF Trainer's label smoothing),
+#: by the causal LM inside: why the chunked loss would save nothing there (see :meth:`ChunkedLoss.refuse`).
+_REFUSED: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
 _SHAPE_OF: dict[type, bool] = {}  # module class -> whether its forward calls its head and then its loss
 
@@ -118,12 +123,15 @@ class ChunkedLoss:
         tensors (no adapter, quantized layer, FSDP shard or hook); no TRL fused LM head (it computes its loss in
         chunks already; patching under it would be a second, unused patch). Another wrapper of the model's forward
         (Accelerate's fp32 outputs, say) is fine: whatever it does with the logits either is an element-wise step
-        or gets the real ones. Not visible here, for the rung to check: label smoothing (the HF Trainer's
-        ``LabelSmoother`` computes its loss from ``outputs.logits``: exact under the rung, but nothing saved).
+        or gets the real ones. Not visible here: a loss the caller computes from ``outputs.logits`` (the HF
+        Trainer's label smoothing); exact under the rung, but nothing saved, so the caller says so
+        (:meth:`refuse`).
         """
         target = causal_lm(model)
         if target is None:
             return "it has no forward that calls self.lm_head(...) and then self.loss_function(...)"
+        if target in _REFUSED:
+            return _REFUSED[target]
         if _is_trl_fused_head(vars(target).get("forward")):
             return "it carries TRL's fused LM head (trl add_fused_lm_head), which computes its loss in chunks already"
         reason = _head_refusal(getattr(target, "lm_head", None))
@@ -134,6 +142,20 @@ class ChunkedLoss:
         if expected is None or loss is not expected:
             return f"its loss_function is {getattr(loss, '__qualname__', loss)!r}, not transformers' ForCausalLMLoss"
         return None
+
+    @staticmethod
+    def refuse(model: torch.nn.Module, reason: str | None) -> None:
+        """Make :meth:`applies` refuse ``model`` with ``reason`` until it is called again with None: for the code
+        that calls the model and knows what the model cannot, that it computes the loss from the logits itself
+        (the HF Trainer's ``LabelSmoother`` or ``compute_loss_func``: the model is called without labels, so the
+        logits would be computed in full on first read and the rung would save nothing)."""
+        target = causal_lm(model)
+        if target is None:  # (a model the rung cannot apply to anyway needs no word)
+            return
+        if reason is None:
+            _REFUSED.pop(target, None)
+        else:
+            _REFUSED[target] = reason
 
     @property
     def applied(self) -> bool:
@@ -185,6 +207,10 @@ class _LazyHead:
     def __init__(self, head: torch.nn.Linear) -> None:
         self.head = head
 
+    # Run eagerly under torch.compile: dynamo cannot trace the making of a wrapper subclass and would break its
+    # graph here anyway, with a warning that asks the user to file an issue; this says it is meant. The layers
+    # before the head and the code after the loss still compile.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.head
         dtype = compute_dtype(hidden, head.weight)  # read now: the planner swaps fakes in for the parameters
@@ -200,6 +226,9 @@ class _ChunkedLossFunction:
     def __init__(self, original: Any, chunk_bytes: int | None) -> None:
         self.original, self.chunk_bytes = original, chunk_bytes
 
+    # Eager under torch.compile, as the head is: the chunks' local autograd (``torch.autograd.grad`` under saved
+    # tensor hooks) is not traceable, and its allocations stay ordinary ops the simulator and the planner count.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def __call__(
         self,
         logits: torch.Tensor,

@@ -5,10 +5,10 @@ For models whose frozen parameters dominate (a PEFT LoRA job: the base model is 
 frozen ``nn.Linear`` weight on the device is kept as int8 codes with one fp32 scale per output channel, about a
 quarter of its fp32 size; one level deeper, as 4-bit NF4 codes with one fp32 absolute maximum per 64 values,
 0.56 bytes a value (:mod:`oomguard._effects.codec`). Trainable parameters are never quantized; weights shared
-with another module (tied embeddings), weights of fewer than 1,024 values and weights that hold a gradient are
-left as they are. The exact original of each weight is kept in host memory: undo (relaxing, ``guard.close()``,
-giving up) puts it back bit for bit, ``model.state_dict()`` gives it, and ``load_state_dict`` writes it (and the
-layer is quantized again).
+with another module (tied embeddings), weights of fewer than 1,024 values, weights that hold a gradient and, while
+the plan has the chunked loss, the output head (:func:`chunked_head`) are left as they are. The exact original of
+each weight is kept in host memory: undo (relaxing, ``guard.close()``, giving up) puts it back bit for bit,
+``model.state_dict()`` gives it, and ``load_state_dict`` writes it (and the layer is quantized again).
 
 The weight stays the same parameter object, the one the user's optimizer may hold (``AdamW(model.parameters())``
 holds the frozen ones too): its contents are swapped (``torch.utils.swap_tensors``; a weight that cannot be, for
@@ -34,18 +34,19 @@ from torch.utils.hooks import RemovableHandle
 
 from oomguard._backends.memory import MemoryBackend, current_backend
 from oomguard._effects.base import Effect, EffectTarget
+from oomguard._effects.chunked_loss import causal_lm
 from oomguard._effects.codec import Codes
 from oomguard._effects.qweight import QuantizedWeight, Store, exact_originals, user_attributes
 from oomguard._ladder.plan import Plan
 
-__all__ = ["QuantizedWeightsEffect", "frozen_linears"]
+__all__ = ["QuantizedWeightsEffect", "chunked_head", "frozen_linears", "lm_head"]
 
 MIN_VALUES = 1024
 
 
-def frozen_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+def frozen_linears(model: torch.nn.Module, besides: torch.nn.Module | None = None) -> list[torch.nn.Linear]:
     """The ``nn.Linear`` layers whose weight the rung may quantize: frozen, floating point, not shared with
-    another module, at least 1,024 values, holding no gradient."""
+    another module, at least 1,024 values, holding no gradient; never ``besides`` (see :func:`chunked_head`)."""
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
@@ -53,12 +54,28 @@ def frozen_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
         module
         for module in model.modules()
         if isinstance(module, torch.nn.Linear)
+        and module is not besides
         and not module.weight.requires_grad
         and module.weight.is_floating_point()
         and module.weight.numel() >= MIN_VALUES
         and module.weight.grad is None
         and uses.get(id(module.weight)) == 1
     ]
+
+
+def chunked_head(model: torch.nn.Module, plan: Plan) -> torch.nn.Module | None:
+    """The output head the chunked_loss rung holds in ``plan``, which this rung leaves whole: the chunked loss
+    reads the head's weight once per chunk, so a quantized head would be dequantized in full for every chunk (in
+    the forward, and again for the input's gradient), and the rung's patch refuses a head whose weight is not a
+    plain tensor. The head stays exact, the rest of the frozen weights are quantized as ever."""
+    return lm_head(model) if plan.level("chunked_loss") else None
+
+
+def lm_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The output head the chunked_loss rung would patch (the causal LM's ``lm_head``), if the model has one."""
+    target = causal_lm(model)
+    head = None if target is None else getattr(target, "lm_head", None)
+    return head if isinstance(head, torch.nn.Module) else None
 
 
 @dataclass(eq=False)
@@ -94,10 +111,17 @@ class QuantizedWeightsEffect(Effect):
         return None
 
     def before_apply(self, plan: Plan, backend: MemoryBackend) -> bool:
-        """Every weight back where ``plan`` has none quantized, before layer offload may take a block whole."""
-        if plan.quantized_weights or not self._layers:
+        """Every weight back where ``plan`` has none quantized, before layer offload may take a block whole; the
+        head back where ``plan`` has the chunked loss, before its patch reads the head's weight."""
+        if not self._layers:
             return False
-        self.close()
+        if not plan.quantized_weights:
+            self.close()
+            return True
+        head = self._layers.get(id(chunked_head(self.target.model, plan)))
+        if head is None:
+            return False
+        self._restore(head)
         return True
 
     def apply(self, plan: Plan, backend: MemoryBackend) -> bool:
@@ -105,7 +129,8 @@ class QuantizedWeightsEffect(Effect):
         if not plan.quantized_weights:
             return changed
         bits = 4 if plan.quantized_weights == "4bit" else 8
-        for module in frozen_linears(self.target.model):  # one layer at a time: an OOM part-way leaves whole layers
+        besides = chunked_head(self.target.model, plan)  # (the chunked loss's, while the plan has it)
+        for module in frozen_linears(self.target.model, besides):  # one at a time: an OOM part-way leaves whole layers
             layer = self._layers.get(id(module))
             if layer is not None:
                 if layer.weight.bits != bits:  # to the other width, from the exact original

@@ -30,9 +30,10 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import logging
 import types
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -48,6 +49,7 @@ except ImportError as error:  # say which extra installs it
     raise missing("transformers", extra="hf", purpose="oomguard.integrations.transformers (OOMGuardTrainer)") from error
 
 from oomguard._backends.memory import current_backend
+from oomguard._effects.chunked_loss import ChunkedLoss
 from oomguard._errors import GuardConfigError
 from oomguard._guard.guard import OOMGuard
 from oomguard._ladder.plan import Phase
@@ -143,6 +145,8 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
                 trainer._warn_coupled(part)
             if trainer._oomguard_step.paired:
                 part = chosen_then_rejected(part, trainer._oomguard_step.paired)
+            if isinstance(part, MutableMapping):  # compute_loss pops the labels out of its inputs (label smoothing,
+                part = copy.copy(part)  # compute_loss_func): from this attempt's own dict, the batch keeps them
             loss: torch.Tensor = compute_loss(trainer, model, part, num_items_in_batch=trainer._oomguard_step.items)
             return loss
 
@@ -161,14 +165,28 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
         self.optimizer.step = types.MethodType(step, self.optimizer)  # the Trainer's own call goes through it
         return guard
 
+    def _loss_from_logits(self) -> str | None:
+        """Why this trainer's loss leaves the chunked_loss rung nothing to save, if it does: with label smoothing
+        or a ``compute_loss_func``, the Trainer's ``compute_loss`` takes the labels out of the inputs and computes
+        the loss from ``outputs.logits`` itself (the model's own loss is never called), so the full logits exist."""
+        if getattr(self, "label_smoother", None) is not None:
+            factor = self.args.label_smoothing_factor
+            return f"the Trainer's label smoothing (label_smoothing_factor={factor}) computes the loss from all logits"
+        if getattr(self, "compute_loss_func", None) is not None:
+            return "the Trainer's compute_loss_func computes the loss from the model's outputs (all logits)"
+        return None
+
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """:meth:`transformers.Trainer.train`, after which the model is as it was given: whatever the guard's plan
         changed (offloaded state and layers, checkpointing, halved or quantized weights) is undone when training
         ends, however it ends (the plan is kept: the next ``train()`` starts on it). What cannot come back to the
-        device for want of memory stays the guard's, with a warning saying what."""
+        device for want of memory stays the guard's, with a warning saying what. While it trains, the chunked_loss
+        rung is refused where this trainer computes the loss from the logits itself (:meth:`_loss_from_logits`)."""
+        ChunkedLoss.refuse(self.model, self._loss_from_logits())  # (before the first step builds the guard)
         try:
             return super().train(*args, **kwargs)
         finally:
+            ChunkedLoss.refuse(self.model, None)  # the model trained elsewhere may have the rung again
             if self._guard is not None:
                 self._guard.effects.undo(logged=True)
 

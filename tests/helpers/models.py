@@ -1,4 +1,4 @@
-"""Small models with fixed seeds and random weights: an MLP for regression, a tiny Llama; and comparing weights."""
+"""Small models with fixed seeds and random weights: an MLP for regression, tiny Llama and Qwen2; comparing weights."""
 
 from __future__ import annotations
 
@@ -29,6 +29,26 @@ def make_llama(seed: int = 0, layers: int = 2, hidden: int = 32) -> torch.nn.Mod
         tie_word_embeddings=False,
     )
     model: torch.nn.Module = LlamaForCausalLM(config)
+    return model
+
+
+def make_qwen2(seed: int = 0, vocab: int = 2048, hidden: int = 32) -> torch.nn.Module:
+    """A tiny Qwen2 with tied embeddings and a vocabulary larger than its hidden size by far: a model the
+    chunked_loss rung applies to (its forward calls ``self.lm_head`` and then ``self.loss_function``)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    model: torch.nn.Module = Qwen2ForCausalLM(config)
     return model
 
 

@@ -42,7 +42,7 @@ if __name__ == "__main__":  # a rank's script: the helpers package is imported f
 
 from helpers.batches import ragged_lm_batch
 from helpers.devices import CountingGPU
-from helpers.models import make_llama
+from helpers.models import make_llama, make_qwen2
 from oomguard import OOMEvent, OOMGuard, Plan, StepResult
 
 CAPACITY = "64MiB"  # roomy: the only out-of-memory errors are the injected ones
@@ -179,6 +179,23 @@ FROZEN_LLAMA = Workload(
     "Llama (2 layers, hidden 32), attention frozen", _frozen_llama, _llama_batch, _llama_loss,
     lambda batch: batch["ids"], 4, 2,
 )  # fmt: skip
+
+
+#: For the chunked_loss rung: a causal LM whose head and loss it patches (vocabulary 2,048, tied embeddings), on
+#: the Llama's ragged batches (labels -100 on pads and on a prompt).
+QWEN2 = Workload(
+    "Qwen2 (2 layers, hidden 32, vocabulary 2048, tied)", make_qwen2, _llama_batch, _llama_loss,
+    lambda batch: batch["ids"], 4, 2,
+)  # fmt: skip
+
+#: The chunked loss alone, and with micro-batches (each micro-batch's loss in chunks, weighted by its tokens).
+CHUNKED_CONFIGS = {
+    "chunked loss": Plan().with_level("chunked_loss", 1),
+    "micro-batches, chunked loss": Plan(micro_batch_size=2).with_level("chunked_loss", 1),
+}
+#: A chunk's fp32 logits at most this many bytes in the swept steps: 16 rows of the Qwen2's 2,048 logits, so a
+#: step's 48 tokens take 3 chunks (a micro-batch's 24 take 2), each chunk's allocations faulted in turn.
+CHUNK_BYTES = 4 * 2048 * 16
 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
