@@ -172,9 +172,10 @@ def check_chunked_sweep(name: str, sample: Sample, phases: set[str]) -> None:
 
 
 # The chunked_loss rung on a Qwen2 (its head and loss patched, the loss's chunks allocating in the forward): every
-# allocation of the first step in the slow suite; in the default run the edges of the loss, alone and with
-# micro-batches (the other phases are the TinyNet's and the Llama's, swept above). Each swept step's loss takes
-# several chunks (see ``small_chunks``).
+# allocation of the first step of the rung alone in the slow suite (455 faults, about 17 minutes on a loaded
+# 2-core machine; with micro-batches as well it was 765 faults in 30 minutes, all survived, too long to keep); in the
+# default run the edges of the loss, alone and with micro-batches (the other phases are the TinyNet's and the
+# Llama's, swept above). Each swept step's loss takes several chunks (see ``small_chunks``).
 @pytest.mark.usefixtures("small_chunks")
 @pytest.mark.parametrize("name", CHUNKED_CONFIGS)
 def test_an_oom_at_sampled_allocations_of_a_chunked_loss_step_loses_nothing(name: str) -> None:
@@ -183,7 +184,7 @@ def test_an_oom_at_sampled_allocations_of_a_chunked_loss_step_loses_nothing(name
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("small_chunks")
-@pytest.mark.parametrize("name", CHUNKED_CONFIGS)
+@pytest.mark.parametrize("name", ["chunked loss"])
 def test_an_oom_at_every_allocation_of_a_chunked_loss_step_loses_nothing(name: str) -> None:
     check_chunked_sweep(name, every_allocation, PHASES)
 
