@@ -734,3 +734,28 @@ def test_quantized_weights_has_nothing_to_give_on_a_chunked_plan_where_only_the_
     context = RungContext(batch_size=3, frozen_linears=facts.pop("frozen_linears"), facts=facts)
     assert rung.deeper(Plan(), context) == Plan(quantized_weights=True)  # the head alone is worth quantizing
     assert rung.deeper(Plan().with_level("chunked_loss", 1), context) is None  # not while it is the chunked loss's
+
+
+def test_the_chunked_loss_engages_on_a_plan_that_keeps_master_weights() -> None:
+    """The master level puts the guard's own autocast hooks on every module owning a halved weight, the head
+    among them: they are not hooks that would see the logits, so the chunked loss still engages after it (as a
+    recovery from the master level does) and trains within amp's tolerance of the same plan unchunked."""
+    from oomguard import OOMGuard, Plan
+
+    master = Plan(precision="bf16", optimizer_offload="master")
+    batches = [ragged() for _ in range(3)]
+    losses: dict[bool, list[float]] = {}
+    for chunk in (False, True):
+        torch.manual_seed(0)
+        model = llama()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with SimulatedGPU("1GiB") as gpu:
+            gpu.adopt(model)
+            guard = OOMGuard(lambda batch, model=model: model(**batch), model=model, optimizer=optimizer, ladder=[])
+            guard.plan = master
+            losses[chunk] = [guard(batches[0]).loss]
+            guard.plan = master.with_level("chunked_loss", 1) if chunk else master
+            losses[chunk] += [guard(batch).loss for batch in batches[1:]]
+            assert ChunkedLoss.applies(model) == ("the chunked loss is applied already" if chunk else None)
+            guard.close()
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-2, atol=0)

@@ -24,6 +24,7 @@ import torch
 from torch.nn import functional
 
 from oomguard._effects.chunked_ce import ChunkSpec, chunk_rows, chunked_cross_entropy, needs_of
+from oomguard._effects.hooks import GuardHook
 from oomguard._effects.lazy_logits import HeadCall, LazyLogits, compute_dtype
 from oomguard._errors import GuardConfigError
 
@@ -80,7 +81,10 @@ def _head_refusal(head: Any) -> str | None:
     if "forward" in vars(head):
         patched = isinstance(vars(head)["forward"], _LazyHead)
         return "the chunked loss is applied already" if patched else "its lm_head's forward is patched by something"
-    if head._forward_hooks or head._forward_pre_hooks:  # code that wants to see (or change) the real logits
+    hooks = [*head._forward_hooks.values(), *head._forward_pre_hooks.values()]
+    # Code that wants to see (or change) the real logits; the guard's own hooks (the master level's autocast around
+    # a module that owns a halved weight) do not look at them.
+    if any(not isinstance(hook, GuardHook) for hook in hooks):
         return "its lm_head has forward hooks that would see the logits"
     for name, tensor in (("weight", head.weight), ("bias", head.bias)):
         if tensor is not None and type(tensor.detach()) not in _PLAIN:  # a DTensor (FSDP2), a quantized weight
