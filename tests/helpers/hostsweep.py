@@ -142,6 +142,9 @@ def _faulted_call(rig: Rig, batch: Any, fault: int) -> dict[str, Any]:
     }
 
 
+#: A host allocation no step reaches: armed, it fails nothing.
+NEVER = 2**62
+
 #: Where a rig starts from to have its plan engaged as the step begins, as a running job's guard has: a state and
 #: the batches of the steps from it, called fault-free first (None: the guard's first call engages the plan itself).
 Previous = tuple[Snapshot, list[Any]] | None
@@ -181,8 +184,11 @@ def host_fault_step(
 def host_allocations(
     state: Snapshot, batch: Any, plan: Plan, workload: Workload = TINY, previous: Previous = None
 ) -> tuple[Outcome, list[str]]:
-    """A fault-free step on ``plan`` alone, and the phase of each host allocation it made (what a sweep faults)."""
+    """A fault-free step on ``plan`` alone, and the phase of each host allocation it made (what a sweep faults):
+    with a host failure armed that never fires, so that the step takes the path a faulted one takes (a running
+    job's optimizer step is journaled, not fast, while one is armed: see ``SimulatedGPU.reserve``)."""
     with _engaged(state, plan, workload, [], previous) as rig:
+        rig.gpu.fail_host_allocation(NEVER)
         start = len(rig.gpu.host_phases)
         result, figures = rig.call(batch)
         fired = not rig.gpu.fault_pending
