@@ -12,6 +12,12 @@ and a steady-state one) on every configuration, of the first step of a tiny tran
 step of a tiny Qwen2 on the chunked_loss rung (alone and with micro-batches), and of two steps on one of two gloo
 ranks. The default run samples the edges of every phase (see ``DEFAULT_SAMPLES``). Double
 faults (an OOM while the guard is recovering from one) are at the end.
+
+Host faults (``SimulatedGPU.fail_host_allocation``: a failed pinned allocation, a host ``MemoryError``) on the
+offload rungs' plans are swept too (tests/helpers/hostsweep.py): host memory is not relieved down the ladder, so
+the call must raise ``HostMemoryError`` with nothing committed and nothing held, and the same batch must train
+exactly once called again. ``-m slow`` fails every host allocation of the TinyNet's first two steps and the step
+after them on a running guard, and of a Llama's first two with its masters on the host.
 """
 
 from __future__ import annotations
@@ -27,6 +33,16 @@ from typing import Any
 import helpers.sweep
 import pytest
 import torch
+from helpers.hostsweep import (
+    HOST_CONFIGS,
+    every_host_allocation,
+    host_allocations,
+    host_edges,
+    host_ends,
+    host_fault_step,
+    host_problems,
+    host_sweep,
+)
 from helpers.launch import launch
 from helpers.sweep import (
     CHUNK_BYTES,
@@ -55,6 +71,7 @@ from helpers.sweep import (
 )
 
 from oomguard import FallbackEvent, OOMGuard, Plan
+from oomguard._detect import is_oom
 from oomguard._distributed.agreement import Agreement
 from oomguard.testing import SimulatedGPU
 
@@ -199,6 +216,78 @@ def test_a_llama_step_survives_an_oom_in_the_transformers_paths() -> None:
     micro-batches of a ragged batch."""
     plan = Plan(micro_batch_size=2, checkpointing="partial")
     check_sweep(LLAMA, "micro-batches, checkpointing partial", plan, llama_sample, {"split", "optimizer"}, steps=1)
+
+
+# -- host faults: a failed host allocation on an offload rung's plan (tests/helpers/hostsweep.py) -----------------
+
+#: The phases in which each offload plan of the TinyNet allocates host memory in its first steps, each faulted:
+#: saved activations in the forward (the step journal's copies in the optimizer step); the optimizer state moved to
+#: the host as the plan is applied, and what Adam builds there; the fp32 masters and their gradients; an offloaded
+#: block's parameters, gradients and state.
+HOST_PHASES = {
+    "activation offload": {"forward", "optimizer"},
+    "optimizer offload": {"apply", "optimizer"},
+    "optimizer offload, master weights": {"apply", "backward", "clip", "optimizer"},
+    "layer offload": {"apply", "backward", "clip", "optimizer"},
+}
+
+
+def check_host_sweep(workload: Workload, name: str, plan: Plan, sample: Sample, phases: set[str], steps: int) -> None:
+    started = time.monotonic()
+    result = host_sweep(plan, sample, workload=workload, steps=steps)
+    record(workload, f"host faults, {name}", result, time.monotonic() - started)
+    assert not result.failures, "\n".join(result.failures[:20])
+    assert result.survived == result.injected > 0
+    assert {fault["error"] for fault in result.faults} == {"HostMemoryError"}
+    assert phases <= set(result.by_phase()), result.by_phase()
+
+
+# The default run's: the first step on a guard's first call, and the second on a guard that ran the first; the
+# first and last two host allocations and the first and last of every phase; the masters' plan (several times
+# slower per fault) the first and the last of every phase.
+HOST_SAMPLES: dict[str, Sample] = dict.fromkeys(HOST_CONFIGS, host_edges)
+HOST_SAMPLES["optimizer offload, master weights"] = host_ends
+
+
+@pytest.mark.parametrize("name", HOST_CONFIGS)
+def test_a_failed_host_allocation_at_sampled_points_of_an_offload_step_is_not_escalated_and_commits_nothing(
+    name: str,
+) -> None:
+    check_host_sweep(TINY, name, TINY_CONFIGS[name], HOST_SAMPLES[name], HOST_PHASES[name], steps=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", HOST_CONFIGS)
+def test_a_failed_host_allocation_anywhere_in_an_offload_step_is_not_escalated_and_commits_nothing(name: str) -> None:
+    check_host_sweep(TINY, name, TINY_CONFIGS[name], every_host_allocation, HOST_PHASES[name], steps=2)
+
+
+@pytest.mark.slow
+def test_a_failed_host_allocation_anywhere_in_a_llama_step_with_host_masters_is_not_escalated() -> None:
+    """The Llama with its fp32 masters and Adam's state on the host (the plan the planner recommends for a 1B model
+    on 6 GiB): every host allocation of its first step, the masters' as the plan is applied included, and of its
+    second on a guard that ran the first."""
+    name = "optimizer offload, master weights"
+    check_host_sweep(LLAMA, name, LLAMA_CONFIGS[name], every_host_allocation, HOST_PHASES[name], steps=1)
+
+
+def test_the_host_sweep_sees_a_host_fault_escalated_as_a_device_oom(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the guard did before issue 26 (a failed host allocation read as a device OOM, recovered from down the
+    ladder by offloading more), and a step left half-committed, are both caught."""
+    plan = TINY_CONFIGS["optimizer offload"]
+    state, batch = initial_state(), TINY.batch(0)
+    reference, phases = host_allocations(state, batch, plan)
+    # Every out-of-memory error is the device's, whatever ran out (the detector that cannot tell the host apart).
+    monkeypatch.setattr("oomguard._guard.loop.is_host_oom", lambda error: False)
+    for module in ("oomguard._effects.transaction", "oomguard._step.runner"):
+        monkeypatch.setattr(f"{module}.is_device_oom", lambda error, separate_host: is_oom(error))
+    escalated = host_fault_step(state, batch, plan, len(phases))
+    found = host_problems(escalated, reference, plan=plan, step=0, sample_ids=[0, 1, 2, 3, 4])
+    assert "the call returned: the failed host allocation was recovered from" in found
+    assert any("fallback(s): the host fault was escalated" in p for p in found)
+    assert any("the guard's plan moved" in p for p in found)
+    assert any(p.startswith("committed: ") for p in found), "the escalated call committed a step"
+    assert any("called again:" in p and "Adam step counts" in p for p in found), "and the retry a second one"
 
 
 # -- the sweep's own checks can fail --------------------------------------------------------------------------

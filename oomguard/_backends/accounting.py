@@ -199,10 +199,12 @@ class AccountedDevice(HostFigures):
     def reserve(self, nbytes: int) -> bool:
         """Whether ``nbytes`` of transient allocations surely fit now.
 
-        False while an injected failure is armed: an injected fault stands for an allocation nobody could
-        foresee, so the guard must take its fully undoable path.
+        False while an injected failure is armed, on the device or on the host (``fail_host_allocation``): an
+        injected fault stands for an allocation nobody could foresee, so the guard must take its fully undoable
+        path. (An optimizer step on offloaded state allocates on the host as it changes that state in place.)
         """
-        return self._fail_in is None and self.capacity - self._allocated >= nbytes
+        armed = self._fail_in is not None or self._host.fault_pending
+        return not armed and self.capacity - self._allocated >= nbytes
 
     # -- host and device copies -------------------------------------------------------------------------
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,5 +9,6 @@ test file (``conftest.py`` keeps the fixtures).
   simulated GPU that counts its allocations, the first event of a kind.
 - :mod:`helpers.scenarios`: client code the project did not write (GPT-2, a PEFT LoRA Llama, a nanoGPT).
 - :mod:`helpers.hf_trainer`, :mod:`helpers.trl_example`: the Hugging Face Trainer's and TRL's setups.
-- :mod:`helpers.launch`, :mod:`helpers.sweep`: two-rank gloo jobs, and the fault-sweep harness.
+- :mod:`helpers.launch`, :mod:`helpers.sweep`, :mod:`helpers.hostsweep`: two-rank gloo jobs, the fault-sweep
+  harness, and its host faults (a failed host allocation on an offload rung's plan).
 """

@@ -323,26 +323,62 @@ class Outcome:
         return len(self.phases)
 
 
-def run_step(
+#: A call's device figures: memory in use as its first attempt began, in use after it, each allocation's phase.
+Figures = tuple[int, int, list[str]]
+
+
+@dataclass
+class Rig:
+    """A model, optimizer, scheduler and guard built afresh from a saved state, on a fresh simulated device; the
+    OOM events the guard reported and, per attempt (counted by those events), the sample ids the step saw."""
+
+    gpu: PhaseGPU
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    guard: OOMGuard
+    ooms: list[OOMEvent]
+    seen: dict[int, list[int]]
+
+    def enter(self) -> None:
+        """Inside the device's context: the model and optimizer are on it, and allocations record their phase."""
+        self.gpu.adopt(self.model, self.optimizer)
+        self.gpu.phase = lambda: self.guard._runner.progress.phase
+
+    def call(self, batch: Any) -> tuple[StepResult, Figures]:
+        """One guarded call, only the guard's own gc.collect() freeing reference cycles; with the device's
+        figures for the call: memory when its first attempt began, in use after it, each allocation's phase."""
+        start, bases = self.gpu.allocations, len(self.gpu.attempt_bases)
+        with automatic_gc_off():  # only the guard's own gc.collect() frees what sits in reference cycles
+            result = self.guard(batch)
+        # Under DDP the first call allocates the agreement buffer before its first attempt begins.
+        return result, (self.gpu.attempt_bases[bases], self.gpu.memory_allocated(), self.gpu.phases[start:])
+
+    def outcome(self, result: StepResult, figures: Figures, fired: bool) -> Outcome:
+        """What the call left (outside the device's context: the copies are not device allocations)."""
+        parameters = [p for p in self.model.parameters() if p.requires_grad]  # (frozen ones have no Adam state)
+        adam_steps = [int(s["step"]) for s in self.optimizer.state.values()]
+        grads_left = sum(p.grad is not None for p in parameters)
+        after = Snapshot.of(self.model, self.optimizer, self.scheduler, self.guard)
+        before, memory_after, phases = figures
+        return Outcome(
+            result, after, len(parameters), adam_steps, grads_left, before, memory_after, phases, fired, self.ooms,
+            dict(self.seen),
+        )  # fmt: skip
+
+
+def make_rig(
     state: Snapshot,
-    batch: Any,
     plan: Plan,
     *,
     workload: Workload = TINY,
-    fault: int | None = None,
+    gpu: PhaseGPU | None = None,
     ladder: Iterable[str] | None = None,
     wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-    arm: Callable[[PhaseGPU, OOMGuard], None] | None = None,
     on_event: Callable[[Any, PhaseGPU], None] | None = None,
-) -> Outcome:
-    """One guarded step from ``state`` on ``plan``, with an OOM armed at device allocation ``fault`` (1-based).
-
-    Every call builds its model, optimizer, scheduler and guard afresh from ``state``, so faults never leak into
-    each other. ``ladder=[]`` runs ``plan`` alone (a reference); the default ladder recovers. ``wrap`` wraps the
-    model (DDP); ``arm`` (before the call) and ``on_event`` (on each event the guard emits, in recovery too) can
-    inject further faults.
-    """
-    gpu = PhaseGPU(CAPACITY)
+) -> Rig:
+    """A fresh rig on ``plan`` from ``state`` (see :func:`run_step` for the arguments), on ``gpu`` if given."""
+    gpu = gpu if gpu is not None else PhaseGPU(CAPACITY)
     model = workload.make_model()
     model.load_state_dict(state.model)
     trained = wrap(model) if wrap is not None else model
@@ -375,27 +411,38 @@ def run_step(
     )
     guard.plan = plan
     guard.effects._scaler_state = clone_state(state.scaler)  # the committed fp16 loss scale, as a running guard has it
-    with gpu:
-        gpu.adopt(model, optimizer)
-        gpu.phase = lambda: guard._runner.progress.phase
-        start = gpu.allocations
+    return Rig(gpu, model, optimizer, scheduler, guard, ooms, seen)
+
+
+def run_step(
+    state: Snapshot,
+    batch: Any,
+    plan: Plan,
+    *,
+    workload: Workload = TINY,
+    fault: int | None = None,
+    ladder: Iterable[str] | None = None,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    arm: Callable[[PhaseGPU, OOMGuard], None] | None = None,
+    on_event: Callable[[Any, PhaseGPU], None] | None = None,
+) -> Outcome:
+    """One guarded step from ``state`` on ``plan``, with an OOM armed at device allocation ``fault`` (1-based).
+
+    Every call builds its model, optimizer, scheduler and guard afresh from ``state``, so faults never leak into
+    each other. ``ladder=[]`` runs ``plan`` alone (a reference); the default ladder recovers. ``wrap`` wraps the
+    model (DDP); ``arm`` (before the call) and ``on_event`` (on each event the guard emits, in recovery too) can
+    inject further faults.
+    """
+    rig = make_rig(state, plan, workload=workload, ladder=ladder, wrap=wrap, on_event=on_event)
+    with rig.gpu:
+        rig.enter()
         if fault is not None:
-            gpu.fail_allocation(fault)
+            rig.gpu.fail_allocation(fault)
         if arm is not None:
-            arm(gpu, guard)
-        with automatic_gc_off():  # only the guard's own gc.collect() frees what sits in reference cycles
-            result = guard(batch)
-        fired = not gpu.fault_pending
-        memory_after = gpu.memory_allocated()
-        phases = gpu.phases[start:]
-        before = gpu.attempt_bases[0]  # under DDP the first call allocates the agreement buffer before it
-    parameters = [p for p in model.parameters() if p.requires_grad]  # (frozen ones have no Adam state)
-    adam_steps = [int(s["step"]) for s in optimizer.state.values()]
-    grads_left = sum(p.grad is not None for p in parameters)
-    after = Snapshot.of(model, optimizer, scheduler, guard)
-    return Outcome(
-        result, after, len(parameters), adam_steps, grads_left, before, memory_after, phases, fired, ooms, dict(seen)
-    )
+            arm(rig.gpu, rig.guard)
+        result, figures = rig.call(batch)
+        fired = not rig.gpu.fault_pending
+    return rig.outcome(result, figures, fired)
 
 
 def initial_state(workload: Workload = TINY) -> Snapshot:
