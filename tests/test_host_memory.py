@@ -243,3 +243,21 @@ def test_a_step_back_up_that_runs_out_of_host_memory_goes_back_to_the_plan_that_
     assert (result.ooms, result.plan) == (1, worked), "not down the ladder, nor given up: the plan that worked"
     relaxes = [event for event in step.guard.events if event.kind == "relax"]
     assert [(event.outcome, event.rung) for event in relaxes] == [("failed", "micro_batch")]  # type: ignore[attr-defined]
+
+
+def test_going_from_offloaded_state_to_master_weights_keeps_no_host_buffer_of_the_first_level() -> None:
+    """Before: the first level's host copies of every weight and gradient stayed alive at the master level (two
+    copies of the weights, 36,872 bytes here), until the guard closed."""
+    held = {}
+    for start in (Plan(optimizer_offload=True), None):
+        model = make_mlp(width=WIDTH)
+        step = oom_guard(mse_step(model), model=model, optimizer=torch.optim.Adam(model.parameters()), ladder=[])
+        master = Plan(precision="bf16", optimizer_offload="master")
+        with SimulatedGPU("1MiB") as gpu:
+            gpu.adopt(model)
+            for plan in (start or master, master):
+                step.guard.plan = plan
+                step(tuple_batch(n=8, seed=1))
+            held[start is not None] = gpu.host_memory_allocated()
+        step.guard.close()
+    assert held[True] == held[False] > weights_bytes(make_mlp(width=WIDTH)), "the masters and moments, only"

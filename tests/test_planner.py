@@ -84,6 +84,60 @@ def test_predicted_peaks_are_within_5_percent_of_simulated_gpu_for_every_rung(
         assert abs(fake - real) <= 0.05 * real, f"{forced.describe(n)}: predicted {fake}, measured {real}"
 
 
+# The plans that put something of their own on the host (and the plain one, whose host memory is the journal).
+HOST_PLANS = [
+    *(plan for plan in EVERY_RUNG if plan == Plan() or plan.activation_offload or plan.offload_layers),
+    Plan(optimizer_offload=True),
+    Plan(precision="bf16", optimizer_offload="master"),
+    Plan(offload_layers=1, optimizer_offload=True),
+    Plan(activation_offload=True, optimizer_offload=True),
+]
+
+
+def measured_host_peaks(n: int, length: int, hidden: int) -> list[int]:
+    """SimulatedGPU's host peak over two steady steps on each plan, each journaled as the first step on a new plan
+    is (``step_journal="always"``), its copies kept on the host into the next step."""
+    peaks = []
+    for forced in HOST_PLANS:
+        model = make_llama(layers=LAYERS, hidden=hidden)
+        optimizer = torch.optim.AdamW(model.parameters())
+        guard = OOMGuard(model_step(model), model=model, optimizer=optimizer, ladder=[], step_journal="always")
+        guard.plan = forced
+        with SimulatedGPU("1GiB") as gpu:
+            gpu.adopt(model)
+            batch = lm_batch(n, length)
+            guard(batch)  # (Adam's state made: the steps after it are the steady ones)
+            gpu.reset_peak_memory_stats()
+            guard(batch)
+            guard(batch)
+            peaks.append(gpu.max_host_memory_allocated())
+        guard.close()
+    return peaks
+
+
+@pytest.mark.parametrize(("n", "length", "hidden"), [(8, 32, HIDDEN), (1, 4, 4 * HIDDEN)])
+def test_predicted_host_bytes_are_within_5_percent_of_simulated_host_for_every_rung(
+    n: int, length: int, hidden: int
+) -> None:
+    """Before: no host figure at all (then 0 for every plan but the ones whose state was still on the host)."""
+    measured = measured_host_peaks(n, length, hidden)
+    with FakeTensorMode():
+        model = make_llama(layers=LAYERS, hidden=hidden)
+        report = dry_run(
+            lambda b: model(**b), lm_batch(n, length), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+            capacity=2**40, target="simulated", label="llama", plans=HOST_PLANS,
+        )  # fmt: skip
+    weights = sum(p.numel() * 4 for p in make_llama(layers=LAYERS, hidden=hidden).parameters())
+    assert measured[0] >= 3 * weights, "the plain step's journal: the weights and Adam's two moments"
+    assert measured[HOST_PLANS.index(Plan(optimizer_offload=True))] >= 6 * weights, "state, copies and journal"
+    for forced, real, candidate in zip(HOST_PLANS, measured, report.candidates, strict=True):
+        fake = candidate.host_bytes
+        assert abs(fake - real) <= 0.05 * real, f"{forced.describe(n)}: predicted {fake} host bytes, measured {real}"
+        assert candidate.to_dict(n)["host_bytes"] == fake
+    assert report.to_dict()["host_bytes"] == report.chosen.host_bytes
+    assert "| host memory |" in report.table()
+
+
 def test_the_walk_recommends_the_first_fitting_plan_and_it_really_fits() -> None:
     batch_args = (16, 48)
     with FakeTensorMode():

@@ -68,6 +68,10 @@ class OptimizerTransaction:
         self._host: dict[int, torch.Tensor] = {}  # id(device tensor) -> reusable host copy
         #: How many steps took the journaled path (for tests and diagnostics).
         self.journaled_steps = 0
+        #: The host bytes a journaled step copies, as of the last step (every parameter with a gradient and its
+        #: state, as the step saw them: a master level's fp32 masters), whichever path it took: what the planner
+        #: adds to a plan's host peak, since the first step on every new plan is journaled.
+        self.journal_bytes = 0
         #: Why the optimizer can no longer be trusted: a fast step was interrupted half-way. Every later step
         #: refuses with this.
         self.broken: str | None = None
@@ -236,6 +240,7 @@ class OptimizerTransaction:
             raise peer_failure(outcome, Phase.OPTIMIZER)
 
     def _measure(self, backend: MemoryBackend, before: int, params: list[torch.Tensor]) -> None:
+        self.journal_bytes = sum(t.numel() * t.element_size() for t in self._mutable_tensors(params))
         if backend.tracks_allocations:
             # The peak since the step began is at least before + transient: an upper bound, never too small.
             self._bound = max(0, backend.max_memory_allocated() - before)

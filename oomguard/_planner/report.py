@@ -67,6 +67,10 @@ class Candidate:
     transfer_bytes: int = 0
     #: One optimizer step's time by the planner's device model (:class:`~oomguard._planner.speed.DeviceSpeed`).
     predicted_seconds: float = 0.0
+    #: The peak of host memory the guard's own allocations take in a steady step on this plan: offloaded optimizer
+    #: state and masters, offloaded blocks, activation offload's saved tensors at their peak, staging buffers and
+    #: the journal's copies (what :meth:`oomguard.testing.SimulatedGPU.max_host_memory_allocated` measures).
+    host_bytes: int = 0
 
     def to_dict(self, size: int) -> dict[str, Any]:
         return {
@@ -77,6 +81,7 @@ class Candidate:
             "phase": None if self.phase is None else self.phase.value,
             "transfer_bytes": self.transfer_bytes,
             "predicted_seconds": round(self.predicted_seconds, 4),
+            "host_bytes": self.host_bytes,
         }
 
 
@@ -137,6 +142,7 @@ class PlanReport:
             "fits": self.fits,
             "transfer_bytes_per_step": self.chosen.transfer_bytes,
             "predicted_seconds": round(self.chosen.predicted_seconds, 4),
+            "host_bytes": self.chosen.host_bytes,
             "candidates": [c.to_dict(self.batch_size) for c in self.candidates],
             "seconds": round(self.seconds, 2),
         }
@@ -148,15 +154,16 @@ class PlanReport:
         lines = [
             f"{self.model}: batch of {shape}, {self.optimizer}, on a {format_bytes(self.capacity_bytes)} {device}",
             "",
-            "| plan | tensor peak | with device overhead | host<->device per step | predicted step | fits |",
-            "|---|---|---|---|---|---|",
+            "| plan | tensor peak | with device overhead | host memory | host<->device per step | predicted step | fits |",
+            "|---|---|---|---|---|---|---|",
         ]
         for index, c in enumerate(self.candidates):
             name = c.plan.describe(self.batch_size) + (" (baseline)" if index == 0 else "")
             verdict = "yes" if c.fits else f"no (runs out in {c.phase})"
             total = format_bytes(c.peak_bytes + c.device_overhead_bytes)
             moved, seconds = format_bytes(c.transfer_bytes), f"{c.predicted_seconds:.2f} s"
-            lines.append(f"| {name} | {format_bytes(c.peak_bytes)} | {total} | {moved} | {seconds} | {verdict} |")
+            host = format_bytes(c.host_bytes)
+            lines.append(f"| {name} | {format_bytes(c.peak_bytes)} | {total} | {host} | {moved} | {seconds} | {verdict} |")
         lines.append("")
         chosen = self.chosen
         if self.recommended is None:
