@@ -17,7 +17,7 @@ from helpers.steps import mse_step
 from oomguard import GuardConfigError, HostMemoryError, LadderExhausted, OOMGuard, Plan, oom_guard
 from oomguard._backends import host
 from oomguard._backends.host import HOST_MARGIN_MIN_BYTES, available_host_memory, host_budget
-from oomguard._backends.memory import CudaMemory
+from oomguard._backends.memory import CpuMemory, CudaMemory, snapshot
 from oomguard._backends.units import GiB, format_bytes
 from oomguard._detect import is_device_oom, is_host_oom
 from oomguard.testing import SimulatedGPU
@@ -337,3 +337,13 @@ def test_with_room_on_the_host_optimizer_offload_engages_as_before() -> None:
     assert all(not isinstance(outcome, Exception) for outcome in outcomes), outcomes
     assert outcomes[0].ooms == 1 and outcomes[-1].plan == Plan(optimizer_offload=True)
     assert 0 < gpu.max_host_memory_allocated() <= host
+
+
+def test_fallback_and_progress_events_carry_the_host_memory_in_use() -> None:
+    """Before: the events' memory had no host figure."""
+    step, _, outcomes = host_capped_run(["optimizer_offload"], 8 * weights_bytes(deep_mlp()))
+    events = [event.to_dict() for event in step.guard.events if event.kind in ("fallback", "progress")]
+    assert [event["event"] for event in events] == ["fallback", "progress", "progress", "progress"], outcomes
+    state = 2 * weights_bytes(deep_mlp())  # Adam's moments, on the host from the fallback on
+    assert all(event["memory"]["host_allocated"] >= state for event in events[1:]), "what the guard holds there"
+    assert snapshot(CpuMemory()).host_allocated is None, "not counted where the backend does not count it"

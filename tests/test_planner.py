@@ -139,15 +139,15 @@ def test_predicted_host_bytes_are_within_5_percent_of_simulated_host_for_every_r
     assert "| host memory |" in report.table()
 
 
-def planned_with_host(host_budget: int | None) -> Any:
+def planned_with_host(host_budget: int | None, capacity: int = 4_500_000, ladder: Any = None) -> Any:
     """The walk down optimizer_offload and quantized_optimizer for a model whose Adam state does not fit 4.5 MB
     (plain: 5.4 MB; state on the host: 2.5 MB and 9.1 MB of host memory; 8-bit state: 3.7 MB, 1.9 MB of host)."""
     with FakeTensorMode():
         model = make_llama(layers=LAYERS, hidden=4 * HIDDEN)
         return dry_run(
             lambda b: model(**b), lm_batch(1, 4), model=model, optimizer=torch.optim.AdamW(model.parameters()),
-            capacity=4_500_000, target="simulated", label="llama", ladder=["optimizer_offload", "quantized_optimizer"],
-            host_budget=host_budget,
+            capacity=capacity, target="simulated", label="llama",
+            ladder=ladder or ["optimizer_offload", "quantized_optimizer"], host_budget=host_budget,
         )  # fmt: skip
 
 
@@ -164,6 +164,17 @@ def test_a_plan_past_the_host_budget_does_not_fit_and_the_walk_goes_another_way(
     assert answer["fits"] and answer["host_memory_bytes"] == 3_000_000
     assert all(c["host_bytes"] <= 3_000_000 for c in answer["candidates"] if c["fits"])
     assert "| no (host memory) |" in report.table()
+
+
+def test_the_walk_goes_no_deeper_from_a_plan_the_host_has_no_room_for() -> None:
+    """Before: from offloaded state that fit neither the device nor the host, the walk went on offloading layers,
+    each plan as far past the host budget (TinyLlama at 6 GiB: 15 more plans measured, 20.5 GiB of host each)."""
+    ladder = ["optimizer_offload", "layer_offload", "quantized_optimizer"]
+    report = planned_with_host(3_000_000, capacity=2_000_000, ladder=ladder)
+    offloaded = [c for c in report.candidates if c.plan.optimizer_offload]
+    assert len(offloaded) == 1 and not offloaded[0].host_fits and offloaded[0].phase is not None, "both short"
+    assert [c.plan.offload_layers for c in report.candidates[2:]] == [1, 2], "on another way: layers, not state"
+    assert not report.fits and report.to_dict()["reason"].startswith("host memory: needs "), "the 2 layers' host"
 
 
 def test_the_walk_recommends_the_first_fitting_plan_and_it_really_fits() -> None:

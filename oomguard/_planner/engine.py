@@ -299,9 +299,10 @@ class Residue:
 
 def _walk(bench: _Bench, ladder: Ladder, context: RungContext, start: Plan | None = None) -> None:
     """Down the ladder from ``start`` (the plain plan), as the guard would go after an OOM in the same phase,
-    until a plan fits; then the largest micro-batch that fits in its configuration. A plan the device has room
-    for but the host has not is left for what another rung makes of the plan before it, as the guard's walk
-    leaves a rung whose host memory is past the budget."""
+    until a plan fits; then the largest micro-batch that fits in its configuration. A plan the host has no room
+    for is left for what another rung makes of the plan before it, as the guard's walk leaves a rung whose host
+    memory is past the budget: the rungs after it would only add to the device's relief, not take from the host's
+    load (TinyLlama's offloaded state needs 20.5 GiB of host memory on every plan that walks on from it)."""
     size, grad_bytes = bench.size, bench.runner.grad_bytes
     peaks = PeakModel(margin=0.0)  # the measurements are exact: no safety margin on top of the overhead
     per_sample = items_per_sample(bench.batch, size)
@@ -314,8 +315,8 @@ def _walk(bench: _Bench, ladder: Ladder, context: RungContext, start: Plan | Non
         if measured.fits:
             _grow(plan, size, bench.candidates, bench.measure)
             return
-        # Only the host is short (the device had room): another rung, from the plan before.
-        if measured.phase is None and came is not None and step is not None:
+        # The host is short (the device may be too): another rung, from the plan before.
+        if not measured.host_fits and came is not None and step is not None:
             refused.add(step[0].name)
             step = ladder.next(*came, skip=refused)
             plan = step[1] if step is not None else None
