@@ -4,6 +4,7 @@ with a container's cgroup limit, a simulated host's limit), and what happens whe
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -347,3 +348,21 @@ def test_fallback_and_progress_events_carry_the_host_memory_in_use() -> None:
     state = 2 * weights_bytes(deep_mlp())  # Adam's moments, on the host from the fallback on
     assert all(event["memory"]["host_allocated"] >= state for event in events[1:]), "what the guard holds there"
     assert snapshot(CpuMemory()).host_allocated is None, "not counted where the backend does not count it"
+
+
+def test_a_journal_the_host_has_no_room_for_is_skipped_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Before: the second step's journal (the weights and Adam's two moments: three copies) ran the host out and the
+    guard gave up with HostMemoryError on a plan that needs no host memory of its own."""
+    model = make_mlp(width=WIDTH)
+    optimizer = torch.optim.Adam(model.parameters())
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=[], step_journal="auto")
+    host = 2 * weights_bytes(model)  # the first step's journal (the weights: no state yet) fits, later ones do not
+    with SimulatedGPU("1MiB", host_capacity=host) as gpu, caplog.at_level(logging.WARNING, logger="oomguard"):
+        gpu.adopt(model)
+        step.guard.plan = Plan()
+        for seed in range(4):
+            step.guard._runner.transaction.invalidate()  # (every step journaled, as after a change of plan)
+            assert step(tuple_batch(n=8, seed=seed)).ooms == 0
+        assert gpu.max_host_memory_allocated() <= host
+    assert caplog.text.count("step journal skipped") == 1, "said once, not per step"
+    assert "do not fit the host budget of 36.0 KiB" in caplog.text
