@@ -4,6 +4,7 @@ with a container's cgroup limit, a simulated host's limit), and what happens whe
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,11 +15,11 @@ from helpers.batches import tuple_batch
 from helpers.models import make_mlp
 from helpers.steps import mse_step
 
-from oomguard import GuardConfigError, HostMemoryError, OOMGuard, Plan, oom_guard
+from oomguard import GuardConfigError, HostMemoryError, LadderExhausted, OOMGuard, Plan, oom_guard
 from oomguard._backends import host
 from oomguard._backends.host import HOST_MARGIN_MIN_BYTES, available_host_memory, host_budget
-from oomguard._backends.memory import CudaMemory
-from oomguard._backends.units import GiB
+from oomguard._backends.memory import CpuMemory, CudaMemory, snapshot
+from oomguard._backends.units import GiB, format_bytes
 from oomguard._detect import is_device_oom, is_host_oom
 from oomguard.testing import SimulatedGPU
 
@@ -165,7 +166,11 @@ def assert_unchanged(model: torch.nn.Module, optimizer: torch.optim.Optimizer, b
 def test_host_memory_running_out_under_optimizer_offload_raises_host_memory_error_and_commits_nothing() -> None:
     model = make_mlp(width=WIDTH)
     optimizer = torch.optim.Adam(model.parameters())
-    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=["optimizer_offload", "layer_offload"])
+    # The guard is told of more host memory than there is (host_memory=), so it predicts that optimizer_offload
+    # fits and engages it: a host failure nobody predicted (where it is predicted, nothing engages: see below).
+    told = 2**20
+    ladder = ["optimizer_offload", "layer_offload"]
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=ladder, host_memory=told)
     before = snapshot_of(model, optimizer)
     host = weights_bytes(model)  # one copy of the weights: the step journal fits, the host step's copies do not
     # The device holds the weights, gradients and activations, not Adam's two moments (measured: 111,616 bytes
@@ -176,7 +181,7 @@ def test_host_memory_running_out_under_optimizer_offload_raises_host_memory_erro
             step(tuple_batch(n=8))
         assert gpu.max_host_memory_allocated() <= host
         assert gpu.host_memory_allocated() == 0, "giving up, the guard let go of all it held on the host"
-        assert step.guard.host_budget == host
+        assert step.guard.host_budget == told
     message = str(raised.value)
     assert "host memory exhausted" in message and "18.0 KiB" in message, "what the host said: wanted, in use, limit"
     assert "host_memory=" in message and "quantized_optimizer" in message, "and the fix"
@@ -243,3 +248,121 @@ def test_a_step_back_up_that_runs_out_of_host_memory_goes_back_to_the_plan_that_
     assert (result.ooms, result.plan) == (1, worked), "not down the ladder, nor given up: the plan that worked"
     relaxes = [event for event in step.guard.events if event.kind == "relax"]
     assert [(event.outcome, event.rung) for event in relaxes] == [("failed", "micro_batch")]  # type: ignore[attr-defined]
+
+
+def test_going_from_offloaded_state_to_master_weights_keeps_no_host_buffer_of_the_first_level() -> None:
+    """Before: the first level's host copies of every weight and gradient stayed alive at the master level (two
+    copies of the weights, 36,872 bytes here), until the guard closed."""
+    held = {}
+    for start in (Plan(optimizer_offload=True), None):
+        model = make_mlp(width=WIDTH)
+        step = oom_guard(mse_step(model), model=model, optimizer=torch.optim.Adam(model.parameters()), ladder=[])
+        master = Plan(precision="bf16", optimizer_offload="master")
+        with SimulatedGPU("1MiB") as gpu:
+            gpu.adopt(model)
+            for plan in (start or master, master):
+                step.guard.plan = plan
+                step(tuple_batch(n=8, seed=1))
+            held[start is not None] = gpu.host_memory_allocated()
+        step.guard.close()
+    assert held[True] == held[False] > weights_bytes(make_mlp(width=WIDTH)), "the masters and moments, only"
+
+
+# -- no plan past the host budget is engaged ---------------------------------------------------------------------
+
+
+def deep_mlp() -> torch.nn.Module:
+    """Nine 128-wide layers (134,401 parameters: 537,604 bytes of fp32 weights): many parameters, so that 8-bit
+    state, dequantized a few parameters at a time, needs less device memory than Adam's fp32 state."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(16, 128), torch.nn.Tanh()]
+    for _ in range(8):
+        layers += [torch.nn.Linear(128, 128), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(128, 1))
+
+
+# A device with room for the weights, gradients and activations and 8-bit moments, not Adam's fp32 ones (measured
+# peaks: 2,295,296 bytes for the plain step, 1,653,248 with 8-bit state, 1,087,488 with the state on the host).
+ADAM_DOES_NOT_FIT = (2_295_296 + 1_653_248) // 2
+
+
+def host_capped_run(ladder: list[str], host: int, steps: int = 3) -> tuple[Any, SimulatedGPU, list[Any]]:
+    """Train :func:`deep_mlp`, whose Adam state does not fit the device, for ``steps`` steps under a host of
+    ``host`` bytes; the guarded step, the simulator, and each call's result or the error it raised (which ends the
+    run)."""
+    model = deep_mlp()
+    step = oom_guard(mse_step(model), model=model, optimizer=torch.optim.Adam(model.parameters()), ladder=ladder)
+    outcomes: list[Any] = []
+    with SimulatedGPU(ADAM_DOES_NOT_FIT, host_capacity=host) as gpu:
+        gpu.adopt(model)
+        for seed in range(steps):
+            try:
+                outcomes.append(step(tuple_batch(n=8, seed=seed)))
+            except Exception as error:  # (the run ends here; the test reads what it raised)
+                outcomes.append(error)
+                break
+    return step, gpu, outcomes
+
+
+def test_optimizer_offload_past_the_host_budget_is_refused_before_anything_moves() -> None:
+    """Before: optimizer_offload engaged, the host step's copies ran the host out, HostMemoryError after trying."""
+    host = weights_bytes(deep_mlp())  # one copy of the weights: Adam's state alone is two
+    step, gpu, outcomes = host_capped_run(["optimizer_offload"], host)
+    error = outcomes[-1]
+    assert isinstance(error, LadderExhausted) and not isinstance(error, HostMemoryError), outcomes
+    message = str(error)
+    assert "host memory (RAM) has room for" in message and "optimizer_offload" in message
+    assert f"past the guard's host budget of {format_bytes(host)}" in message, "what is available"
+    assert f"needs about {format_bytes(4 * host)}" in message, "what it needs: the state, weights and gradients"
+    assert "quantized_optimizer" in message and "nothing was moved to the host" in message, "what would fit"
+    assert [plan for plan, _ in error.tried] == [Plan()], "optimizer_offload was never tried"
+    assert gpu.max_host_memory_allocated() <= host
+    kinds = [event.kind for event in step.guard.events if event.kind not in ("progress",)]
+    assert "fallback" not in kinds and kinds[-1] == "exhausted"
+
+
+def test_the_ladder_moves_on_to_8_bit_state_where_the_host_has_no_room_for_the_state() -> None:
+    """Before: optimizer_offload engaged first and the host ran out (HostMemoryError)."""
+    host = weights_bytes(deep_mlp())
+    step, gpu, outcomes = host_capped_run(["micro_batch", "optimizer_offload", "quantized_optimizer"], host)
+    assert all(not isinstance(outcome, Exception) for outcome in outcomes), outcomes
+    assert outcomes[-1].plan.quantized_optimizer and not outcomes[-1].plan.optimizer_offload
+    plans = [event.plan for event in step.guard.events if event.kind in ("fallback", "oom")]
+    assert not any(plan["optimizer_offload"] for plan in plans), "optimizer_offload never engaged"
+    assert gpu.max_host_memory_allocated() <= host
+
+
+def test_with_room_on_the_host_optimizer_offload_engages_as_before() -> None:
+    host = 8 * weights_bytes(deep_mlp())
+    _, gpu, outcomes = host_capped_run(["optimizer_offload"], host)
+    assert all(not isinstance(outcome, Exception) for outcome in outcomes), outcomes
+    assert outcomes[0].ooms == 1 and outcomes[-1].plan == Plan(optimizer_offload=True)
+    assert 0 < gpu.max_host_memory_allocated() <= host
+
+
+def test_fallback_and_progress_events_carry_the_host_memory_in_use() -> None:
+    """Before: the events' memory had no host figure."""
+    step, _, outcomes = host_capped_run(["optimizer_offload"], 8 * weights_bytes(deep_mlp()))
+    events = [event.to_dict() for event in step.guard.events if event.kind in ("fallback", "progress")]
+    assert [event["event"] for event in events] == ["fallback", "progress", "progress", "progress"], outcomes
+    state = 2 * weights_bytes(deep_mlp())  # Adam's moments, on the host from the fallback on
+    assert all(event["memory"]["host_allocated"] >= state for event in events[1:]), "what the guard holds there"
+    assert snapshot(CpuMemory()).host_allocated is None, "not counted where the backend does not count it"
+
+
+def test_a_journal_the_host_has_no_room_for_is_skipped_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Before: the second step's journal (the weights and Adam's two moments: three copies) ran the host out and the
+    guard gave up with HostMemoryError on a plan that needs no host memory of its own."""
+    model = make_mlp(width=WIDTH)
+    optimizer = torch.optim.Adam(model.parameters())
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=[], step_journal="auto")
+    host = 2 * weights_bytes(model)  # the first step's journal (the weights: no state yet) fits, later ones do not
+    with SimulatedGPU("1MiB", host_capacity=host) as gpu, caplog.at_level(logging.WARNING, logger="oomguard"):
+        gpu.adopt(model)
+        step.guard.plan = Plan()
+        for seed in range(4):
+            step.guard._runner.transaction.invalidate()  # (every step journaled, as after a change of plan)
+            assert step(tuple_batch(n=8, seed=seed)).ooms == 0
+        assert gpu.max_host_memory_allocated() <= host
+    assert caplog.text.count("step journal skipped") == 1, "said once, not per step"
+    assert "do not fit the host budget of 36.0 KiB" in caplog.text

@@ -16,6 +16,7 @@ from helpers.steps import model_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import OOMGuard, Plan, oom_guard, plan
+from oomguard._backends import host
 from oomguard._cli.main import main
 from oomguard._planner.engine import dry_run
 from oomguard._planner.presets import PRESETS
@@ -84,6 +85,98 @@ def test_predicted_peaks_are_within_5_percent_of_simulated_gpu_for_every_rung(
         assert abs(fake - real) <= 0.05 * real, f"{forced.describe(n)}: predicted {fake}, measured {real}"
 
 
+# The plans that put something of their own on the host (and the plain one, whose host memory is the journal).
+HOST_PLANS = [
+    *(plan for plan in EVERY_RUNG if plan == Plan() or plan.activation_offload or plan.offload_layers),
+    Plan(optimizer_offload=True),
+    Plan(precision="bf16", optimizer_offload="master"),
+    Plan(offload_layers=1, optimizer_offload=True),
+    Plan(activation_offload=True, optimizer_offload=True),
+]
+
+
+def measured_host_peaks(n: int, length: int, hidden: int) -> list[int]:
+    """SimulatedGPU's host peak over two steady steps on each plan, each journaled as the first step on a new plan
+    is (``step_journal="always"``), its copies kept on the host into the next step."""
+    peaks = []
+    for forced in HOST_PLANS:
+        model = make_llama(layers=LAYERS, hidden=hidden)
+        optimizer = torch.optim.AdamW(model.parameters())
+        guard = OOMGuard(model_step(model), model=model, optimizer=optimizer, ladder=[], step_journal="always")
+        guard.plan = forced
+        with SimulatedGPU("1GiB") as gpu:
+            gpu.adopt(model)
+            batch = lm_batch(n, length)
+            guard(batch)  # (Adam's state made: the steps after it are the steady ones)
+            gpu.reset_peak_memory_stats()
+            guard(batch)
+            guard(batch)
+            peaks.append(gpu.max_host_memory_allocated())
+        guard.close()
+    return peaks
+
+
+@pytest.mark.parametrize(("n", "length", "hidden"), [(8, 32, HIDDEN), (1, 4, 4 * HIDDEN)])
+def test_predicted_host_bytes_are_within_5_percent_of_simulated_host_for_every_rung(
+    n: int, length: int, hidden: int
+) -> None:
+    """Before: no host figure at all (then 0 for every plan but the ones whose state was still on the host)."""
+    measured = measured_host_peaks(n, length, hidden)
+    with FakeTensorMode():
+        model = make_llama(layers=LAYERS, hidden=hidden)
+        report = dry_run(
+            lambda b: model(**b), lm_batch(n, length), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+            capacity=2**40, target="simulated", label="llama", plans=HOST_PLANS,
+        )  # fmt: skip
+    weights = sum(p.numel() * 4 for p in make_llama(layers=LAYERS, hidden=hidden).parameters())
+    assert measured[0] >= 3 * weights, "the plain step's journal: the weights and Adam's two moments"
+    assert measured[HOST_PLANS.index(Plan(optimizer_offload=True))] >= 6 * weights, "state, copies and journal"
+    for forced, real, candidate in zip(HOST_PLANS, measured, report.candidates, strict=True):
+        fake = candidate.host_bytes
+        assert abs(fake - real) <= 0.05 * real, f"{forced.describe(n)}: predicted {fake} host bytes, measured {real}"
+        assert candidate.to_dict(n)["host_bytes"] == fake
+    assert report.to_dict()["host_bytes"] == report.chosen.host_bytes
+    assert "| host memory |" in report.table()
+
+
+def planned_with_host(host_budget: int | None, capacity: int = 4_500_000, ladder: Any = None) -> Any:
+    """The walk down optimizer_offload and quantized_optimizer for a model whose Adam state does not fit 4.5 MB
+    (plain: 5.4 MB; state on the host: 2.5 MB and 9.1 MB of host memory; 8-bit state: 3.7 MB, 1.9 MB of host)."""
+    with FakeTensorMode():
+        model = make_llama(layers=LAYERS, hidden=4 * HIDDEN)
+        return dry_run(
+            lambda b: model(**b), lm_batch(1, 4), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+            capacity=capacity, target="simulated", label="llama",
+            ladder=ladder or ["optimizer_offload", "quantized_optimizer"], host_budget=host_budget,
+        )  # fmt: skip
+
+
+def test_a_plan_past_the_host_budget_does_not_fit_and_the_walk_goes_another_way() -> None:
+    """Before: dry_run took no host budget; the walk recommended the offloaded state whatever the host had."""
+    assert planned_with_host(None).recommended == Plan(optimizer_offload=True)
+    report = planned_with_host(3_000_000)
+    offloaded = next(c for c in report.candidates if c.plan == Plan(optimizer_offload=True))
+    assert not offloaded.fits and offloaded.phase is None and not offloaded.host_fits, "only the host is short"
+    reason = offloaded.to_dict(1, report.host_budget_bytes)["reason"]
+    assert reason.startswith("host memory: needs ") and "of the 2.9 MiB host budget" in reason
+    assert report.recommended == Plan(quantized_optimizer=True), "the ladder's next rung, which the host has room for"
+    answer = report.to_dict()
+    assert answer["fits"] and answer["host_memory_bytes"] == 3_000_000
+    assert all(c["host_bytes"] <= 3_000_000 for c in answer["candidates"] if c["fits"])
+    assert "| no (host memory) |" in report.table()
+
+
+def test_the_walk_goes_no_deeper_from_a_plan_the_host_has_no_room_for() -> None:
+    """Before: from offloaded state that fit neither the device nor the host, the walk went on offloading layers,
+    each plan as far past the host budget (TinyLlama at 6 GiB: 15 more plans measured, 20.5 GiB of host each)."""
+    ladder = ["optimizer_offload", "layer_offload", "quantized_optimizer"]
+    report = planned_with_host(3_000_000, capacity=2_000_000, ladder=ladder)
+    offloaded = [c for c in report.candidates if c.plan.optimizer_offload]
+    assert len(offloaded) == 1 and not offloaded[0].host_fits and offloaded[0].phase is not None, "both short"
+    assert [c.plan.offload_layers for c in report.candidates[2:]] == [1, 2], "on another way: layers, not state"
+    assert not report.fits and report.to_dict()["reason"].startswith("host memory: needs "), "the 2 layers' host"
+
+
 def test_the_walk_recommends_the_first_fitting_plan_and_it_really_fits() -> None:
     batch_args = (16, 48)
     with FakeTensorMode():
@@ -148,6 +241,27 @@ def test_the_cli_plans_every_preset(preset: str, capsys: pytest.CaptureFixture[s
         assert isinstance(answer[key], int) and answer[key] > 0
     assert answer["plan"]["micro_batch_size"] == 1 and answer["plan"]["rungs"] == []
     assert answer["predicted_peak_bytes"] == answer["baseline_peak_bytes"]  # the plain step fits 80 GiB
+
+
+def test_the_cli_plans_for_the_host_memory_given_or_this_machines(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: no --host-memory, no host bytes in the answer."""
+    args = ["plan", "--model", "gpt2", "--gpu-memory", "80GiB", "--batch-size", "1", "--seq-len", "16", "--json"]
+    assert main([*args, "--host-memory", "64GiB"]) == 0
+    roomy = json.loads(capsys.readouterr().out)
+    assert roomy["host_memory_bytes"] == 64 * 2**30
+    journal = 3 * 124_000_000 * 4  # the journal: gpt2's 124M weights and AdamW's two moments (and step counters)
+    assert roomy["host_bytes"] == roomy["candidates"][0]["host_bytes"] > journal
+    assert roomy["candidates"][0]["journaled"] is True
+    assert main([*args, "--host-memory", "100MiB"]) == 0  # no room for the journal: skipped, the plan still fits
+    tight = json.loads(capsys.readouterr().out)
+    assert tight["fits"] and tight["host_bytes"] == 0 and tight["candidates"][0]["journaled"] is False
+    monkeypatch.setattr(host, "machine_host_budget", lambda root=None: 5 * 2**30)
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["host_memory_bytes"] == 5 * 2**30, "this machine's, by default"
+    with pytest.raises(SystemExit, match="cannot read 'lots' as a memory size"):
+        main([*args, "--host-memory", "lots"])
 
 
 def test_a_config_json_path_plans_like_its_preset(tmp_path: Path) -> None:

@@ -39,6 +39,9 @@ __all__ = [
     "HostAllocationError",
     "available_host_memory",
     "host_budget",
+    "host_in_use",
+    "host_peak",
+    "machine_host_budget",
     "pinned_empty",
 ]
 
@@ -63,6 +66,25 @@ class _HostBudgeted(Protocol):
 
 
 @runtime_checkable
+class _CountedHost(Protocol):
+    """A backend that counts the host memory the guard holds (:class:`oomguard.testing.SimulatedGPU`)."""
+
+    def host_memory_allocated(self) -> int: ...
+    def max_host_memory_allocated(self) -> int: ...
+
+
+def host_in_use(backend: object) -> int | None:
+    """The host memory the guard holds now, where ``backend`` counts it (a simulated host); None elsewhere (CUDA
+    does not count the host allocations of one process)."""
+    return backend.host_memory_allocated() if isinstance(backend, _CountedHost) else None
+
+
+def host_peak(backend: object) -> int | None:
+    """The peak of :func:`host_in_use` since the backend's peaks were last reset; None where it is not counted."""
+    return backend.max_host_memory_allocated() if isinstance(backend, _CountedHost) else None
+
+
+@runtime_checkable
 class _SimulatedHost(Protocol):
     """A backend that simulates the host as well (:class:`oomguard.testing.SimulatedGPU`)."""
 
@@ -77,6 +99,12 @@ def host_budget(options: _HostBudgeted, backend: object, root: Path = Path("/"))
         return options.host_bytes
     if isinstance(backend, _SimulatedHost):  # a simulated host: its own limit (None: unlimited)
         return backend.host_total_memory()
+    return machine_host_budget(root)
+
+
+def machine_host_budget(root: Path = Path("/")) -> int | None:
+    """This machine's share of :func:`host_budget`: what the OS says is available less the margin (see the module);
+    None where nothing can be read. ``oomguard plan`` plans for it where ``--host-memory`` is not given."""
     available = available_host_memory(root)
     if available is None:
         return None

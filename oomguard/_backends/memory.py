@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from oomguard._backends.host import available_host_memory, pinned_empty
+from oomguard._backends.host import available_host_memory, host_in_use, pinned_empty
 from oomguard._backends.units import format_bytes
 
 __all__ = [
@@ -33,13 +33,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class MemorySnapshot:
-    """Device memory figures at one moment, in bytes (``capacity`` is ``None`` where unknown)."""
+    """Device memory figures at one moment, in bytes (``capacity`` is ``None`` where unknown), and the host memory
+    the guard holds where the backend counts it (``host_allocated``; None elsewhere: CUDA does not count it)."""
 
     backend: str
     allocated: int
     reserved: int
     peak: int
     capacity: int | None
+    host_allocated: int | None = None
 
     @property
     def free(self) -> int | None:
@@ -128,6 +130,7 @@ def snapshot(backend: MemoryBackend) -> MemorySnapshot:
         reserved=backend.memory_reserved(),
         peak=backend.max_memory_allocated(),
         capacity=backend.total_memory(),
+        host_allocated=host_in_use(backend),
     )
 
 

@@ -49,6 +49,12 @@ def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     plan.add_argument("--model", required=True, help="a preset (" + ", ".join(_presets()) + ") or a config.json")
     plan.add_argument("--gpu-memory", default="6GiB", help="the GPU's total memory, e.g. 6GiB (default: 6GiB)")
+    plan.add_argument(
+        "--host-memory",
+        default=None,
+        help="the host memory (RAM) the guard may fill with what it offloads, e.g. 16GiB (default: what this "
+        "machine has available, less the guard's margin)",
+    )
     plan.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step (default: 8)")
     plan.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default: 1024)")
     plan.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="default: adamw")
@@ -97,6 +103,7 @@ def _presets() -> list[str]:
 def _run_plan(args: argparse.Namespace) -> int:
     import json
 
+    from oomguard._backends.host import machine_host_budget
     from oomguard._events import strict_json
     from oomguard._planner.api import plan
     from oomguard._planner.lora import ALL_LINEAR
@@ -108,12 +115,13 @@ def _run_plan(args: argparse.Namespace) -> int:
         bad_input("plan", "--lora-targets names the layers a LoRA fine-tune adapts: give --lora-rank R too")
     targets = args.lora_targets or ALL_LINEAR
     targets = targets if targets == ALL_LINEAR else _names(targets)
+    host_memory = args.host_memory if args.host_memory is not None else machine_host_budget()
     try:
         speed = DeviceSpeed(**{name: value for name, value in given.items() if value is not None})
         report = plan(
             args.model, gpu_memory=args.gpu_memory, batch_size=args.batch_size, seq_len=args.seq_len,
             optimizer=args.optimizer, target=args.target, bf16=args.bf16, max_grad_norm=args.max_grad_norm,
-            speed=speed, ladder=ladder, lora_rank=args.lora_rank, lora_targets=targets,
+            speed=speed, ladder=ladder, lora_rank=args.lora_rank, lora_targets=targets, host_memory=host_memory,
         )  # fmt: skip
     except ValueError as error:  # bad input: a model, a config.json or an argument the planner cannot use
         bad_input("plan", error)

@@ -91,9 +91,17 @@ class OptimizerOffloadEffect(Effect):
         if _master(plan):
             halvable = [p for p in self._parameters() if p.dtype == torch.float32 and backend.is_device(p)]
             moved = self._level.halve(halvable, backend) or moved
+        self._drop_stale_buffers(backend)
         if moved:
             backend.synchronize()  # the host copies are complete before the device memory is reused
         return moved
+
+    def _drop_stale_buffers(self, backend: MemoryBackend) -> None:
+        """Forget the step's host buffers of parameters no longer on the device (halved into a master, or in a
+        layer offloaded since): those step on the host as they are, and their buffers, a copy of the weights and
+        one of the gradients, would stay alive on the host until the effect closes."""
+        on_device = {id(p) for p in self._parameters() if backend.is_device(p) and p not in self._level}
+        self._buffers = {key: buffer for key, buffer in self._buffers.items() if key[0] in on_device}
 
     def before_apply(self, plan: Plan, backend: MemoryBackend) -> bool:
         """Where ``plan`` keeps no master weights on the host and some are: each back on the device, in fp32."""

@@ -34,11 +34,14 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from oomguard._backends.host import host_in_use, host_peak
 from oomguard._backends.memory import MemoryBackend
+from oomguard._backends.units import format_bytes
 from oomguard._detect import is_device_oom, is_oom
 from oomguard._distributed.peers import Agree, peer_failure
 from oomguard._effects.interrupts import run_whole
 from oomguard._errors import StepRollbackError
+from oomguard._events import logger
 from oomguard._ladder.plan import Phase
 
 __all__ = ["JournalMode", "OptimizerTransaction"]
@@ -68,6 +71,14 @@ class OptimizerTransaction:
         self._host: dict[int, torch.Tensor] = {}  # id(device tensor) -> reusable host copy
         #: How many steps took the journaled path (for tests and diagnostics).
         self.journaled_steps = 0
+        #: The host bytes a journaled step copies, as of the last step (every parameter with a gradient and its
+        #: state, as the step saw them: a master level's fp32 masters), whichever path it took: what the planner
+        #: adds to a plan's host peak, since the first step on every new plan is journaled.
+        self.journal_bytes = 0
+        #: The guard's host budget (None: unlimited or unknown): a journal whose copies would not fit is skipped.
+        self.host_budget: int | None = None
+        self._skipped_for_host = False  # whether a skipped journal was logged (once per guard: not per step)
+        self._host_transient = 0  # host bytes the last step took beyond what it began with (where they are counted)
         #: Why the optimizer can no longer be trusted: a fast step was interrupted half-way. Every later step
         #: refuses with this.
         self.broken: str | None = None
@@ -105,6 +116,30 @@ class OptimizerTransaction:
             return False
         return backend.reserve(self._bound)
 
+    def _journal_fits(self, backend: MemoryBackend, params: list[torch.Tensor]) -> bool:
+        """Whether the journal's new host copies fit the host budget beside what the guard holds there (where the
+        backend counts it; else the copies alone). A journal that does not fit is skipped, and said once: past the
+        budget the OS would end the job, which is worse than a step that cannot be undone."""
+        if self.host_budget is None or self.journal != "auto":
+            return True  # ("always" is the user's: journaled whatever it costs)
+        kept = {key: copy.numel() * copy.element_size() for key, copy in self._host.items()}
+        tensors = self._mutable_tensors(params)
+        needed = sum(max(0, t.numel() * t.element_size() - kept.get(id(t), 0)) for t in tensors)
+        held = host_in_use(backend) or 0
+        if held + needed + self._host_transient <= self.host_budget:  # (and the step's own host temporaries)
+            return True
+        if not self._skipped_for_host:
+            self._skipped_for_host = True
+            logger.warning(
+                "step journal skipped: its host copies (%s more) do not fit the host budget of %s beside the %s the "
+                "guard holds there; until they do, an optimizer step that fails part-way cannot be undone (it "
+                "raises StepRollbackError). Give the job more host memory (host_memory=) to journal every step",
+                format_bytes(needed),
+                format_bytes(self.host_budget),
+                format_bytes(held),
+            )
+        return False
+
     def can_skip_journal(self, backend: MemoryBackend) -> bool:
         """Whether the next step would run without a journal (fast path) on this process."""
         return self._may_skip_journal(backend, self._params())
@@ -131,14 +166,18 @@ class OptimizerTransaction:
         if self.broken is not None:
             raise StepRollbackError(self.broken)
         params = self._params()
-        before = backend.memory_allocated()
+        before, host_before = backend.memory_allocated(), host_in_use(backend)
         run = run or self._runner(backend, scheduler, scaler)
-        if allow_fast and self._may_skip_journal(backend, params):
+        copied = 0  # bytes of the journal's host copies
+        if allow_fast and (self._may_skip_journal(backend, params) or not self._journal_fits(backend, params)):
             self._host.clear()
             self._fast_step(params, run, agree)
         else:
-            self._journaled_step(backend, params, run, scheduler, agree)
+            copied = self._journaled_step(backend, params, run, scheduler, agree)
         self._measure(backend, before, params)
+        peak = host_peak(backend)
+        if peak is not None and host_before is not None:  # (what a step on the host computes: its temporaries)
+            self._host_transient = max(0, peak - host_before - copied)
 
     def _runner(
         self, backend: MemoryBackend, scheduler: Scheduler | None, scaler: torch.amp.GradScaler | None
@@ -195,7 +234,8 @@ class OptimizerTransaction:
         run: Callable[[], None],
         scheduler: Scheduler | None,
         agree: Agree | None,
-    ) -> None:
+    ) -> int:
+        """The journaled step; returns the bytes of the host copies it made."""
         self.journaled_steps += 1
         optimizer = self.optimizer
         # Structure: which params have state and which keys each state holds (shallow: tensors are shared).
@@ -234,8 +274,10 @@ class OptimizerTransaction:
         if outcome != "ok":
             undo()
             raise peer_failure(outcome, Phase.OPTIMIZER)
+        return sum(c.numel() * c.element_size() for c in copies)
 
     def _measure(self, backend: MemoryBackend, before: int, params: list[torch.Tensor]) -> None:
+        self.journal_bytes = sum(t.numel() * t.element_size() for t in self._mutable_tensors(params))
         if backend.tracks_allocations:
             # The peak since the step began is at least before + transient: an upper bound, never too small.
             self._bound = max(0, backend.max_memory_allocated() - before)

@@ -99,6 +99,8 @@ class Foresight:
         self.ladder: Ladder = options.rungs
         self._due: dict[int, int] = {}  # bucket -> clean steps since it settled after an OOM
         self._tuning: dict[int, _Tuning] = {}
+        #: The guard's host budget (set at its first call): the planner's plans past it do not fit.
+        self.host_budget: int | None = None
 
     def reset(self) -> None:
         """Forget every bucket (a plan assigned by hand)."""
@@ -120,7 +122,14 @@ class Foresight:
         ):
             return None
         report = preplan(
-            self.step_fn, call.batch, self.options, call.backend, bf16=self.bf16, purpose="jump", effects=self.effects
+            self.step_fn,
+            call.batch,
+            self.options,
+            call.backend,
+            bf16=self.bf16,
+            purpose="jump",
+            effects=self.effects,
+            host_budget=self.host_budget,
         )
         plan = None if report is None else report.recommended
         engaged = () if plan is None else self.ladder.changed(failure.plan, plan, call.size)
@@ -193,6 +202,7 @@ class Foresight:
             search_around=settled,
             speed=speed,
             effects=self.effects,
+            host_budget=self.host_budget,
         )
         if report is None:
             return []

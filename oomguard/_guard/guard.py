@@ -97,7 +97,7 @@ class OOMGuard:
             FailedTrial(self._foresight),
             FailedStepUp(self._buckets, self._emit),
             Jump(self._foresight),
-            Walk(self.ladder, self._escalation),
+            walk := Walk(self.ladder, self._escalation),
         ]
         self._loop = Loop(
             self._runner,
@@ -110,6 +110,7 @@ class OOMGuard:
             fix_fragmentation=self.options.fix_fragmentation,
             rungs=", ".join(self.ladder.names),
         )
+        self._loop.host_refused = walk.host_refused
         self._started = False
         self._host_budget: int | None = None  # resolved at the first call (see host_budget)
         self._busy = OneCallAtATime()
@@ -329,7 +330,10 @@ class OOMGuard:
         if isinstance(backend, AccountedDevice):  # (a simulated device: compiled code runs eagerly under it)
             backend.warn_if_compiled(self.model)
         self._host_budget = host_budget(self.options, backend)  # (the OS's figure once, not a moving target)
-        self._loop.host_budget = self._host_budget
+        self._loop.host_budget = self._foresight.host_budget = self._host_budget
+        # The walk leaves plans the host has no room for; the journal is skipped where its copies would not fit.
+        self._escalation.model = dataclasses.replace(self._escalation.model, host_budget=self._host_budget)
+        self._runner.transaction.host_budget = self._host_budget
         if distributed_active():
             self._runner.agreement = Agreement(self._device, self.ladder)
         rank = 0 if self._runner.agreement is None else self._runner.agreement.rank
@@ -351,6 +355,7 @@ class OOMGuard:
                 bf16=self._context.bf16_supported,
                 distributed=self._runner.agreement is not None,
                 effects=self.effects,
+                host_budget=self._host_budget,
             )
             if report is not None and report.recommended is not None:
                 self.plan = report.recommended

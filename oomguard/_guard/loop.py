@@ -84,6 +84,8 @@ class Loop:
         self.interrupts = Interrupts()
         self.rung: str | None = None  # the rung engaged last, named in OOM events
         self.host_budget: int | None = None  # the guard's host budget, named when host memory runs out
+        #: What the host budget kept the walk from, where it did (see :meth:`~.policies.Walk.host_refused`).
+        self.host_refused: Callable[[Call, Failure, bool], str | None] = lambda call, failure, distributed: None
 
     # -- the record of a call ---------------------------------------------------------------------------
     @staticmethod
@@ -177,7 +179,8 @@ class Loop:
             if move is not None:
                 break
         if move is None:
-            self._give_up(call, "host" if failure.host else "ladder", failure.error)
+            refused = None if failure.host else self.host_refused(call, failure, agreement is not None)
+            self._give_up(call, "host" if failure.host else "ladder", failure.error, refused)
         if bound is not None:
             self._give_up(call, bound, failure.error)
         if move.rung is not None:
@@ -197,9 +200,9 @@ class Loop:
             return reached
         return (reached or "time") if agreement.any(reached is not None) else None
 
-    def _give_up(self, call: Call, reason: GiveUp, cause: BaseException) -> NoReturn:
+    def _give_up(self, call: Call, reason: GiveUp, cause: BaseException, host_refused: str | None = None) -> NoReturn:
         """Undo every effect on the model, log the giving up, and raise the error that says so (caused by the
-        last attempt's error)."""
+        last attempt's error); ``host_refused``: what the host budget kept the ladder from."""
         if reason == "host":  # (what the guard keeps on the host for the next attempt goes too)
             self.runner.transaction.release_host_copies()
         unrestored = self.effects.undo()
@@ -215,6 +218,7 @@ class Loop:
             rungs=self.rungs,
             unrestored=unrestored,
             host_budget=self.host_budget,
+            host_refused=host_refused,
         )
         error = {"ladder": LadderExhausted, "host": HostMemoryError}.get(reason, RecoveryLimitExceeded)
         raise error(message, step=call.step, tried=tuple(call.tried), memory=memory) from cause

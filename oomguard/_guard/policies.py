@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from oomguard._backends.memory import MemoryBackend
+from oomguard._backends.units import format_bytes
 from oomguard._events import Event
 from oomguard._guard.buckets import Buckets
 from oomguard._guard.call import Call
@@ -96,9 +97,10 @@ class Jump:
         return Move(plan, engaged[-1], engaged, " (the dry-run planner's prediction)")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Escalation:
-    """What the rungs may assume: the model's context (``model``), and the figures of a batch or a failure."""
+    """What the rungs may assume: the model's context (``model``: the guard gives it its host budget at the first
+    call), and the figures of a batch or a failure."""
 
     buckets: Buckets
     model: RungContext
@@ -127,3 +129,27 @@ class Walk:
     def __call__(self, call: Call, failure: Failure, distributed: bool, bounded: bool) -> Move | None:
         chosen = self.ladder.next(failure.plan, self.escalation(call, failure, distributed))
         return None if chosen is None else Move(chosen[1], chosen[0].name)
+
+    def host_refused(self, call: Call, failure: Failure, distributed: bool) -> str | None:
+        """Where the walk found nothing because the host has no room for what the rungs left would put there:
+        which plans, what each needs, the budget, and what would fit (None where the host refused nothing)."""
+        context = self.escalation(call, failure, distributed)
+        refused = self.ladder.host_refusals(failure.plan, context)
+        if not refused or context.host_budget is None:
+            return None
+        needs = "; ".join(
+            f"{rung.name} ({plan.describe(call.size)}) needs about {format_bytes(nbytes)}"
+            for rung, plan, nbytes in refused
+        )
+        listed = set(self.ladder.names)
+        other = (
+            ""
+            if "quantized_optimizer" in listed or not context.optimizer_quantizable
+            else ("put quantized_optimizer on the ladder (8-bit optimizer state, kept on the device), ")
+        )
+        least = min(nbytes for _, _, nbytes in refused)
+        return (
+            f"{needs} of host memory, past the guard's host budget of {format_bytes(context.host_budget)}, so "
+            f"nothing was moved to the host. What would fit: {other}a host_memory= of at least "
+            f"{format_bytes(least)} where the machine has that much, or a smaller batch or model"
+        )

@@ -158,9 +158,11 @@ def give_up_message(
     rungs: str,
     unrestored: str | None = None,
     host_budget: int | None = None,
+    host_refused: str | None = None,
 ) -> str:
     """Why the guard gave up on ``call`` (``reason``: "ladder", "attempts", "time" or "host"), what it tried, the
-    fix; ``unrestored`` says what of the model could not be put back, if anything; ``host_budget``, the guard's."""
+    fix; ``unrestored`` says what of the model could not be put back, if anything; ``host_budget``, the guard's;
+    ``host_refused``: the plans the ladder left because the host has no room for them (see ``Walk.host_refused``)."""
     last = call.tried[-1][1]
     if reason == "host":
         return _host_message(call, step, memory, rungs, unrestored, host_budget)
@@ -172,6 +174,10 @@ def give_up_message(
     tried = "\n".join(
         f"  {i}. {plan.describe(call.size)}: {summary.describe()}" for i, (plan, summary) in enumerate(call.tried, 1)
     )
+    host = ""
+    if reason == "ladder" and host_refused is not None:  # (the rungs left would fill the host past its budget)
+        headline = "every plan the host memory (RAM) has room for ran out of device memory"
+        host = f"\nHost memory: {host_refused}."
     fix = {
         "ladder": (
             f"lower the batch size or sequence length, add rungs to ladder= (in use: {rungs or 'none'}), or use "
@@ -185,7 +191,7 @@ def give_up_message(
         f"oomguard gave up on step {step} (a batch of {call.size} sample(s)): {headline}; {state}.\nTried:\n{tried}\n"
         f"Memory: capacity {format_bytes(last.memory.capacity)}, in use {format_bytes(last.memory.allocated)} "
         f"at the last failure, tried to allocate {format_bytes(last.requested_bytes)}; "
-        f"{format_bytes(memory.allocated)} in use after freeing.\nWhat you can do: {fix}."
+        f"{format_bytes(memory.allocated)} in use after freeing.{host}\nWhat you can do: {fix}."
     )
 
 

@@ -14,7 +14,7 @@ micro-batch, as the ladder had it before that rung engaged.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from oomguard._errors import GuardConfigError
 from oomguard._ladder import registry
@@ -46,12 +46,13 @@ class Ladder:
     def names(self) -> tuple[str, ...]:
         return tuple(rung.name for rung in self.rungs)
 
-    def next(self, plan: Plan, context: RungContext) -> tuple[Rung, Plan] | None:
-        """The rung to engage after ``plan`` failed, and the plan it gives; None when the ladder is exhausted."""
+    def next(self, plan: Plan, context: RungContext, skip: Collection[str] = ()) -> tuple[Rung, Plan] | None:
+        """The rung to engage after ``plan`` failed, and the plan it gives; None when the ladder is exhausted.
+        The rungs named in ``skip`` are passed over, and so is a plan the host has no room for
+        (:meth:`host_refusals`)."""
         options = []
-        for rung in self.rungs:
-            smaller = rung.escalate(plan, context)  # (a plan that needs less memory)
-            if smaller is not None and smaller != plan:
+        for rung, smaller in self._escalations(plan, context):
+            if rung.name not in skip and not self._past_host(smaller, context):
                 options.append((rung, smaller))
         if not options:
             return None
@@ -60,6 +61,27 @@ class Ladder:
         if self.sizing is not None and rung is not self.sizing:
             smaller = smaller.replace(micro_batch_size=None)  # a deeper rung may let larger micro-batches fit
         return rung, smaller
+
+    def _escalations(self, plan: Plan, context: RungContext) -> list[tuple[Rung, Plan]]:
+        """Each listed rung that can make ``plan`` need less memory, and the plan it makes."""
+        found = [(rung, rung.escalate(plan, context)) for rung in self.rungs]
+        return [(rung, smaller) for rung, smaller in found if smaller is not None and smaller != plan]
+
+    def host_bytes(self, plan: Plan, context: RungContext) -> int:
+        """The host memory ``plan``'s effects keep, as the rungs estimate it (:meth:`Rung.host_bytes`)."""
+        return sum(rung.host_bytes(plan, context) for rung in self.known)
+
+    def _past_host(self, plan: Plan, context: RungContext) -> bool:
+        return context.host_budget is not None and self.host_bytes(plan, context) > context.host_budget
+
+    def host_refusals(self, plan: Plan, context: RungContext) -> list[tuple[Rung, Plan, int]]:
+        """The rungs :meth:`next` passed over after ``plan`` because the plan each makes needs more host memory
+        than ``context.host_budget``: each with that plan and its estimated host bytes (what a message names)."""
+        return [
+            (rung, smaller, self.host_bytes(smaller, context))
+            for rung, smaller in self._escalations(plan, context)
+            if self._past_host(smaller, context)
+        ]
 
     def relax(self, plan: Plan, batch_size: int) -> tuple[Rung, Plan] | None:
         """One step back up: the rung given back and the plan tried just before ``plan``; None for a plain plan.

@@ -69,6 +69,10 @@ class RungContext:
     optimizer_quantizable: bool = True
     #: Whether the model has frozen linear weights the quantized_weights rung can keep in 8 bits.
     frozen_linears: bool = False
+    #: The host memory the guard may fill (its host budget); None: unlimited or unknown. A plan whose host bytes
+    #: (:meth:`Rung.host_bytes`, summed) are past it is not engaged: :meth:`~oomguard._ladder.ladder.Ladder.next`
+    #: passes it over.
+    host_budget: int | None = None
     #: The preconditions of rungs that have no field above, by the names their :meth:`Rung.facts` give them.
     facts: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
@@ -151,6 +155,11 @@ class Rung:
     def effect(self) -> Callable[[Any], Any] | None:
         """The class (or factory) of this rung's effect on torch state, if it has one of its own."""
         return None
+
+    def host_bytes(self, plan: Plan, context: RungContext) -> int:
+        """The host memory this rung's effect keeps at ``plan``, estimated before it engages from what the context
+        knows (its :meth:`facts`); 0 for a rung that keeps nothing on the host, and by default."""
+        return 0
 
     def facts(self, target: Any) -> Mapping[str, Any]:
         """What this rung's :meth:`escalate` needs to know of the model, optimizer and device, asked of the guard's

@@ -44,6 +44,7 @@ def plan(
     speed: DeviceSpeed | None = None,
     lora_rank: int | None = None,
     lora_targets: str | Sequence[str] = ALL_LINEAR,
+    host_memory: int | str | None = None,
 ) -> PlanReport:
     """Plan a causal LM's training step on a device of ``gpu_memory`` bytes, without a GPU and without weights.
 
@@ -67,6 +68,9 @@ def plan(
             ``lora_targets`` (``"all-linear"``: every linear layer but the output head; or layer names as PEFT's
             ``target_modules``, e.g. ``["q_proj", "v_proj"]``) trained, as a PEFT LoRA job computes them
             (dropout 0.05, alpha ``2 * rank``). Its frozen weights are what ``quantized_weights`` quantizes.
+        host_memory: the host memory the guard may fill (bytes or ``"16GiB"``, as the guard's ``host_memory=``;
+            None: unlimited): a plan whose host bytes (offloaded state and masters, offloaded blocks, saved
+            activations, the journal) are past it does not fit. ``oomguard plan`` gives this machine's.
 
     Raises ``ValueError`` for bad input: an argument out of range, or a config (file) transformers cannot build a
     causal LM from; the message names the file and the fix.
@@ -77,6 +81,8 @@ def plan(
     """
     _check(optimizer, batch_size, seq_len, target, lora_rank, lora_targets)
     capacity = parse_bytes(gpu_memory)
+    # (0, which the machine's figure can be: no host room at all; a size the user writes must be positive)
+    host_budget = None if host_memory is None else 0 if host_memory == 0 else parse_bytes(host_memory)
     config = _training_config(model, seq_len, target)
     label = model if isinstance(model, str) else getattr(config, "model_type", "model")
     with FakeTensorMode(), _quiet_transformers():
@@ -98,6 +104,7 @@ def plan(
             lambda b: net(**b), batch, model=net, optimizer=opt, capacity=capacity, target=target,
             label=str(label), ladder=ladder, max_grad_norm=max_grad_norm, bf16=bf16, seq_len=seq_len,
             optimizer_name="AdamW" if optimizer == "adamw" else "SGD (momentum 0.9)", speed=speed,
+            host_budget=host_budget,
         )  # fmt: skip
 
 

@@ -130,13 +130,15 @@ def dry_run(
     search_around: Plan | None = None,
     residue: Residue | None = None,
     max_seconds: float | None = None,
+    host_budget: int | None = None,
 ) -> PlanReport:
     """Walk the ladder for ``batch`` on fake tensors (or measure just ``plans``, in order, if given; or search
     every configuration around the plan ``search_around``, :mod:`oomguard._planner.search`); recommend the
     fitting plan predicted fastest by ``speed`` (a 6 GB consumer GPU by default). ``residue``, where given, is
     told the device the dry run accounted on, to see afterwards what it left alive. A dry run past ``max_seconds``,
     or a step that reads more than :data:`~oomguard._planner.reads.MAX_READS` fake values, raises
-    :class:`~oomguard._planner.reads.DryRunLimit`.
+    :class:`~oomguard._planner.reads.DryRunLimit`. ``host_budget``: the host memory the guard may fill (None:
+    unlimited); a plan whose host bytes are past it does not fit, and the walk goes another way.
 
     Everything passed in must already be fake: call it inside the ``FakeTensorMode`` that made the model, the
     optimizer and the batch. The model's effects are undone before it returns.
@@ -145,7 +147,7 @@ def dry_run(
     size = batch_size(batch)
     options = GuardOptions(model=model, optimizer=optimizer, ladder=ladder, max_grad_norm=max_grad_norm)
     runner = build_runner(step_fn, options, item_counter=batch_size)  # fake tensors hold no labels to count
-    bench = _Bench(runner, batch, size, capacity, target, speed or DeviceSpeed())
+    bench = _Bench(runner, batch, size, capacity, target, speed or DeviceSpeed(), host_budget)
     if residue is not None:
         residue.probe = bench.probe
     bench.reads = PlaceholderReads(None if max_seconds is None else time.monotonic() + max_seconds)
@@ -171,6 +173,7 @@ def dry_run(
         candidates=tuple(candidates),
         recommended=fitting[0] if fitting else None,
         seconds=time.perf_counter() - started,
+        host_budget_bytes=host_budget,
     )
 
 
@@ -210,10 +213,17 @@ class _Bench:
     """Measures plans: each one's peak, on two micro-batches after the plan's effects are applied."""
 
     def __init__(
-        self, runner: StepRunner, batch: Any, size: int, capacity: int, target: Target, speed: DeviceSpeed
+        self,
+        runner: StepRunner,
+        batch: Any,
+        size: int,
+        capacity: int,
+        target: Target,
+        speed: DeviceSpeed,
+        host_budget: int | None = None,
     ) -> None:
         self.runner, self.batch, self.size, self.capacity, self.target = runner, batch, size, capacity, target
-        self.speed = speed
+        self.speed, self.host_budget = speed, host_budget
         self.budget = tensor_budget(capacity, target)
         self.probe = _Probe(self.budget, _phase_of(runner))
         self.reads = PlaceholderReads()
@@ -228,13 +238,21 @@ class _Bench:
         """The plan's measurement, and the memory resident when its step began."""
         probe = self.probe
         self.runner.effects.apply(plan, probe)  # as in any step but the plan's first: offloaded state moved
+        self.runner.transaction.release_host_copies()  # (the journal's copies are added below, not measured)
         base = probe.start()
         batch = _two_micro_batches(self.batch, plan, self.size)
         with FlopCount() as counted:
             self.run(batch, plan)
         peak = probe.max_memory_allocated()
+        # The first step on a plan is journaled (the runner forgets the step's bound when a plan moves memory), and
+        # its copies stay on the host through the next step: on top of what the fast step measured here; unless
+        # they would not fit the host budget, where the guard skips the journal (OptimizerTransaction).
+        host, journal = probe.max_host_memory_allocated(), self.runner.transaction.journal_bytes
+        journaled = self.host_budget is None or host + journal <= self.host_budget
+        host += journal if journaled else 0
         overhead = device_overhead(peak, self.target)
-        fits = peak + overhead <= self.capacity
+        on_device = peak + overhead <= self.capacity
+        on_host = self.host_budget is None or host <= self.host_budget
         run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
         transfers = probe.transfers(run, parts)
         seconds = self.speed.seconds(
@@ -245,8 +263,10 @@ class _Bench:
             micro_batches=parts,
             ops=counted.ops * parts / run,
         )
-        phase = None if fits else probe.failing_phase(base)
-        self.candidates.append(Candidate(plan, peak, overhead, fits, phase, transfers, seconds))
+        phase = None if on_device else probe.failing_phase(base)
+        fits = on_device and on_host
+        candidate = Candidate(plan, peak, overhead, fits, phase, transfers, seconds, host, on_host, journaled)
+        self.candidates.append(candidate)
         return self.candidates[-1], base
 
     def _host_params(self, plan: Plan) -> int:
@@ -279,21 +299,34 @@ class Residue:
 
 def _walk(bench: _Bench, ladder: Ladder, context: RungContext, start: Plan | None = None) -> None:
     """Down the ladder from ``start`` (the plain plan), as the guard would go after an OOM in the same phase,
-    until a plan fits; then the largest micro-batch that fits in its configuration."""
+    until a plan fits; then the largest micro-batch that fits in its configuration. A plan the host has no room
+    for is left for what another rung makes of the plan before it, as the guard's walk leaves a rung whose host
+    memory is past the budget: the rungs after it would only add to the device's relief, not take from the host's
+    load (TinyLlama's offloaded state needs 20.5 GiB of host memory on every plan that walks on from it)."""
     size, grad_bytes = bench.size, bench.runner.grad_bytes
     peaks = PeakModel(margin=0.0)  # the measurements are exact: no safety margin on top of the overhead
     per_sample = items_per_sample(bench.batch, size)
     plan: Plan | None = start or Plan()
+    came: tuple[Plan, RungContext] | None = None  # the plan that did not fit on the device, and its context
+    refused: set[str] = set()  # rungs whose plans the host has no room for
+    step: tuple[Rung, Plan] | None = None  # the rung that made ``plan``, and ``plan``
     while plan is not None and plan not in {c.plan for c in bench.candidates}:
         measured, base = bench.measure(plan)
         if measured.fits:
             _grow(plan, size, bench.candidates, bench.measure)
             return
+        # The host is short (the device may be too): another rung, from the plan before.
+        if not measured.host_fits and came is not None and step is not None:
+            refused.add(step[0].name)
+            step = ladder.next(*came, skip=refused)
+            plan = step[1] if step is not None else None
+            continue
         items = round(plan.effective_micro_batch_size(size) * per_sample)
         peaks.record_success(plan, items, measured.peak_bytes - base)
         sized = peaks.max_micro_batch(plan, bench.budget, base, per_sample, grad_bytes)
         phase = measured.phase or Phase.FORWARD
-        step = ladder.next(plan, dataclasses.replace(context, phase=phase, max_micro_batch=sized))
+        came = (plan, dataclasses.replace(context, phase=phase, max_micro_batch=sized))
+        step = ladder.next(*came, skip=refused)
         plan = step[1] if step is not None else None
 
 

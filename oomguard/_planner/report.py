@@ -67,8 +67,25 @@ class Candidate:
     transfer_bytes: int = 0
     #: One optimizer step's time by the planner's device model (:class:`~oomguard._planner.speed.DeviceSpeed`).
     predicted_seconds: float = 0.0
+    #: The peak of host memory the guard's own allocations take in a steady step on this plan: offloaded optimizer
+    #: state and masters, offloaded blocks, activation offload's saved tensors at their peak, staging buffers and
+    #: the journal's copies (what :meth:`oomguard.testing.SimulatedGPU.max_host_memory_allocated` measures).
+    host_bytes: int = 0
+    #: Whether ``host_bytes`` is within the host budget planned for (True where none was given).
+    host_fits: bool = True
+    #: Whether the step journal's host copies are counted in ``host_bytes``: False where they would not fit the
+    #: host budget, so the guard skips the journal on this plan (a step failing part-way cannot be undone then).
+    journaled: bool = True
 
-    def to_dict(self, size: int) -> dict[str, Any]:
+    def reason(self, host_budget: int | None) -> str | None:
+        """Why the plan does not fit, in words (the device memory, the host memory or both); None where it fits."""
+        short = [] if self.phase is None else [f"device memory runs out in {self.phase}"]
+        if not self.host_fits:
+            budget = "the host budget" if host_budget is None else f"the {format_bytes(host_budget)} host budget"
+            short.append(f"host memory: needs {format_bytes(self.host_bytes)} of {budget}")
+        return "; ".join(short) or None
+
+    def to_dict(self, size: int, host_budget: int | None = None) -> dict[str, Any]:
         return {
             "plan": _plan_dict(self.plan, size),
             "peak_bytes": self.peak_bytes,
@@ -77,6 +94,9 @@ class Candidate:
             "phase": None if self.phase is None else self.phase.value,
             "transfer_bytes": self.transfer_bytes,
             "predicted_seconds": round(self.predicted_seconds, 4),
+            "host_bytes": self.host_bytes,
+            "journaled": self.journaled,
+            "reason": self.reason(host_budget),
         }
 
 
@@ -98,6 +118,8 @@ class PlanReport:
     candidates: tuple[Candidate, ...]
     recommended: Plan | None
     seconds: float
+    #: The host memory planned for (the guard's host budget, ``--host-memory``); None: unlimited.
+    host_budget_bytes: int | None = None
 
     @property
     def baseline_peak_bytes(self) -> int:
@@ -137,7 +159,10 @@ class PlanReport:
             "fits": self.fits,
             "transfer_bytes_per_step": self.chosen.transfer_bytes,
             "predicted_seconds": round(self.chosen.predicted_seconds, 4),
-            "candidates": [c.to_dict(self.batch_size) for c in self.candidates],
+            "host_bytes": self.chosen.host_bytes,
+            "host_memory_bytes": self.host_budget_bytes,
+            "reason": None if self.fits else self.chosen.reason(self.host_budget_bytes),
+            "candidates": [c.to_dict(self.batch_size, self.host_budget_bytes) for c in self.candidates],
             "seconds": round(self.seconds, 2),
         }
 
@@ -145,35 +170,51 @@ class PlanReport:
         """A readable report: every plan measured, and the recommendation."""
         shape = f"{self.batch_size} x {self.seq_len} tokens" if self.seq_len else f"{self.batch_size} samples"
         device = "simulated device" if self.target == "simulated" else "CUDA device"
+        host = (
+            "" if self.host_budget_bytes is None else f" beside {format_bytes(self.host_budget_bytes)} of host memory"
+        )
         lines = [
-            f"{self.model}: batch of {shape}, {self.optimizer}, on a {format_bytes(self.capacity_bytes)} {device}",
+            f"{self.model}: batch of {shape}, {self.optimizer}, on a {format_bytes(self.capacity_bytes)} {device}"
+            f"{host}",
             "",
-            "| plan | tensor peak | with device overhead | host<->device per step | predicted step | fits |",
-            "|---|---|---|---|---|---|",
+            "| plan | tensor peak | with device overhead | host memory | host<->device per step | predicted step "
+            "| fits |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for index, c in enumerate(self.candidates):
-            name = c.plan.describe(self.batch_size) + (" (baseline)" if index == 0 else "")
-            verdict = "yes" if c.fits else f"no (runs out in {c.phase})"
-            total = format_bytes(c.peak_bytes + c.device_overhead_bytes)
-            moved, seconds = format_bytes(c.transfer_bytes), f"{c.predicted_seconds:.2f} s"
-            lines.append(f"| {name} | {format_bytes(c.peak_bytes)} | {total} | {moved} | {seconds} | {verdict} |")
+        lines += [self._row(index, c) for index, c in enumerate(self.candidates)]
         lines.append("")
         chosen = self.chosen
         if self.recommended is None:
             lines.append(
-                f"Nothing on the ladder fits: the last plan tried needs {format_bytes(chosen.peak_bytes)} of tensors. "
-                f"Use a smaller batch or sequence, a smaller model, or a larger device."
+                f"Nothing on the ladder fits: the last plan tried needs {format_bytes(chosen.peak_bytes)} of tensors"
+                f"{'' if chosen.host_fits else f' and {format_bytes(chosen.host_bytes)} of host memory'}. "
+                f"Use a smaller batch or sequence, a smaller model, or a larger device"
+                f"{'' if chosen.host_fits else ' (or more host memory, or quantized_optimizer on the ladder)'}."
             )
         else:
             rungs = ", ".join(self.recommended.rungs(self.batch_size)) or "none"
             lines.append(
                 f"Recommended: {self.recommended.describe(self.batch_size)} (rungs: {rungs}); predicted peak "
                 f"{format_bytes(chosen.peak_bytes)} + {format_bytes(chosen.device_overhead_bytes)} device overhead "
-                f"of {format_bytes(self.capacity_bytes)}; the fastest fitting plan by the device model "
-                f"({chosen.predicted_seconds:.2f} s a step)."
+                f"of {format_bytes(self.capacity_bytes)}, {format_bytes(chosen.host_bytes)} of host memory; the "
+                f"fastest fitting plan by the device model ({chosen.predicted_seconds:.2f} s a step)."
             )
         lines.append(f"(planned in {self.seconds:.1f} s on fake tensors)")
         return "\n".join(lines)
+
+    def _row(self, index: int, c: Candidate) -> str:
+        """One candidate's row of :meth:`table`."""
+        name = c.plan.describe(self.batch_size) + (" (baseline)" if index == 0 else "")
+        verdict = "yes" if c.fits else f"no ({'runs out in ' + str(c.phase) if c.phase else 'host memory'})"
+        if c.phase is not None and not c.host_fits:
+            verdict = f"no (runs out in {c.phase}; host memory)"
+        total = format_bytes(c.peak_bytes + c.device_overhead_bytes)
+        moved, seconds, host = (
+            format_bytes(c.transfer_bytes),
+            f"{c.predicted_seconds:.2f} s",
+            format_bytes(c.host_bytes),
+        )
+        return f"| {name} | {format_bytes(c.peak_bytes)} | {total} | {host} | {moved} | {seconds} | {verdict} |"
 
 
 def _plan_dict(plan: Plan, size: int) -> dict[str, Any]:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from oomguard._effects.base import EffectTarget
+from oomguard._effects.footprint import host_facts
 from oomguard._effects.layers import LayerOffloadEffect
 from oomguard._ladder.plan import EVERY_PHASE, Phase, Plan
 from oomguard._ladder.rungs import Rung, RungContext, Trade
@@ -62,3 +64,13 @@ class LayerOffload(Rung):
 
     def effect(self) -> type[LayerOffloadEffect]:
         return LayerOffloadEffect
+
+    def facts(self, target: EffectTarget) -> Mapping[str, Any]:
+        return host_facts(target)
+
+    def host_bytes(self, plan: Plan, context: RungContext) -> int:
+        """The offloaded blocks' weights and gradients, and their optimizer state unless the optimizer-offload
+        rung counts it (it counts every parameter's)."""
+        blocks = sum(context.fact("block_bytes", ())[: plan.offload_layers])
+        state = 0.0 if plan.optimizer_offload else context.fact("state_ratio", 0.0)
+        return int((2 + state) * blocks)

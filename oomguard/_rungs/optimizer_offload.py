@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from oomguard._effects.base import EffectTarget
+from oomguard._effects.footprint import host_facts
 from oomguard._effects.optimizer import OptimizerOffloadEffect, can_step_on_host
 from oomguard._ladder.plan import EVERY_PHASE, Phase, Plan, keeps_master_weights
 from oomguard._ladder.rungs import FieldRung, RungContext, Trade
@@ -64,4 +65,18 @@ class OptimizerOffload(FieldRung):
         return OptimizerOffloadEffect
 
     def facts(self, target: EffectTarget) -> Mapping[str, Any]:
-        return {"optimizer_offloadable": can_step_on_host(target.optimizer)}
+        return {"optimizer_offloadable": can_step_on_host(target.optimizer), **host_facts(target)}
+
+    def host_bytes(self, plan: Plan, context: RungContext) -> int:
+        """The state of every trainable parameter (the offloaded blocks' too: the layer-offload rung counts their
+        weights and gradients, not their state), and per parameter on the device a host copy of its weight and
+        one of its gradient for the step on the host; at the master level the fp32 masters, their gradients'
+        fp32 sum and two bf16 buffers (the image and the staging) in place of those copies."""
+        if not plan.optimizer_offload:
+            return 0
+        trainable = int(context.fact("trainable_bytes", 0))
+        state = int(context.fact("state_ratio", 0.0) * trainable)
+        if plan.optimizer_offload == "master" and keeps_master_weights(plan.precision, plan.offload_layers):
+            return state + 3 * trainable  # masters + fp32 gradient sums + bf16 image and staging (a half each)
+        offloaded = int(sum(context.fact("block_bytes", ())[: plan.offload_layers]))
+        return state + 2 * (trainable - offloaded)
