@@ -366,3 +366,22 @@ def test_a_journal_the_host_has_no_room_for_is_skipped_and_said_once(caplog: pyt
         assert gpu.max_host_memory_allocated() <= host
     assert caplog.text.count("step journal skipped") == 1, "said once, not per step"
     assert "do not fit the host budget of 36.0 KiB" in caplog.text
+
+
+def test_a_remembered_plan_past_the_host_budget_is_not_taken(tmp_path: Path) -> None:
+    """A job with host room saved optimizer offload in the state file; the same model on a host with room for one
+    copy of its weights starts plain, as the ladder would, instead of engaging the remembered plan."""
+    state, roomy = tmp_path / "plans.json", 8 * weights_bytes(deep_mlp())
+    for room, ladder in (
+        (roomy, ["optimizer_offload"]),
+        (weights_bytes(deep_mlp()), ["micro_batch", "optimizer_offload", "quantized_optimizer"]),
+    ):
+        model = deep_mlp()
+        optimizer = torch.optim.Adam(model.parameters())
+        step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=ladder, state_file=state)
+        with SimulatedGPU(ADAM_DOES_NOT_FIT, host_capacity=room) as gpu:
+            gpu.adopt(model)
+            results = [step(tuple_batch(n=8, seed=seed)) for seed in range(2)]
+        step.guard.close()
+    assert not any(r.plan.optimizer_offload for r in results), [r.plan for r in results]
+    assert results[-1].plan.quantized_optimizer and gpu.max_host_memory_allocated() <= weights_bytes(deep_mlp())

@@ -106,10 +106,12 @@ class Ladder:
     def beyond(self, plan: Plan, context: RungContext) -> list[str]:
         """Why this ladder could not have come to ``plan`` in ``context``, one reason per rung: a rung ``plan``
         engages that the ladder does not list, or a level a listed rung cannot reach here (:meth:`Rung.reaches`:
-        too deep for the rung, or a precondition this model, optimizer or device lacks). Empty when it could.
+        too deep for the rung, or a precondition this model, optimizer or device lacks); and a plan the host has no
+        room for (:meth:`host_bytes` past ``context.host_budget``). Empty when it could.
 
         A plan remembered in a state file is taken only then: another job on the same model and device may have
-        opted in to rungs this one did not (4-bit weights), or run an optimizer this one does not.
+        opted in to rungs this one did not (4-bit weights), run an optimizer this one does not, or had more host
+        memory than this guard's host budget.
 
         >>> ladder = resolve_ladder(None)
         >>> ladder.beyond(Plan(quantized_weights="4bit"), RungContext(batch_size=8, frozen_linears=True))
@@ -128,6 +130,12 @@ class Ladder:
                 )
         known = {rung.name for rung in self.known}
         reasons += [f"{name} is not on this guard's ladder" for name, _ in plan.extras if name not in known]
+        if self._past_host(plan, context):  # (a job on a machine with more host memory remembered it)
+            needs, budget = self.host_bytes(plan, context), context.host_budget or 0
+            reasons.append(
+                f"it keeps about {needs / 2**30:.2f} GiB on the host, past this guard's host budget of "
+                f"{budget / 2**30:.2f} GiB"
+            )
         return reasons
 
     def min_micro_batch(self, batch_size: int) -> int:
