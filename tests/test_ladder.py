@@ -169,6 +169,8 @@ def test_when_micro_batch_one_does_not_fit_in_fp32_the_guard_goes_deeper(tmp_pat
     assert fallbacks[3]["plan"]["micro_batch_size"] is None
 
 
+@pytest.mark.slow  # (about 70 s: the walk goes through every rung to the last; the fault sweep's layer-offload
+# configurations and tests/test_traffic.py keep layer offload in the default run)
 def test_state_larger_than_the_device_trains_only_through_layer_offload() -> None:
     model = make_llama(layers=8, hidden=64)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -212,6 +214,8 @@ def test_with_every_layer_offloaded_less_than_the_weights_stays_on_the_device() 
             assert between_steps < params / 2, (between_steps, params)
 
 
+@pytest.mark.slow  # (about 40 s: every rung walked; tests/test_host_memory.py and test_chunked_loss.py end in
+# LadderExhausted in the default run)
 def test_a_budget_nothing_fits_ends_in_ladder_exhausted() -> None:
     model = make_llama(layers=2, hidden=64)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
