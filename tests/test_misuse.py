@@ -570,3 +570,39 @@ def test_a_state_file_that_is_a_dangling_link_fails_its_save_instead_of_spinning
     with pytest.raises(OSError, match="could neither be opened nor created"):
         PlanStore(link, "f" * 16, "dev").save({1: Plan()})
     assert time.monotonic() - started < 5
+
+
+def test_a_step_that_pops_its_labels_from_the_batch_still_has_them_when_retried() -> None:
+    """A common pattern (``target = batch.pop("y")``): the first attempt on the whole batch popped the key from the
+    user's own dict, so the retry in micro-batches after its OOM found no labels (a KeyError, found in issue 25
+    for the Trainer's compute_loss). Each attempt on the whole batch gets its own shallow copy."""
+    model, reference = make_mlp(), make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = tuple_batch(n=16)
+
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        target = batch.pop("y")
+        return torch.nn.functional.mse_loss(model(batch.pop("x")).squeeze(-1), target)
+
+    guard = OOMGuard(step, model=model, optimizer=optimizer, ladder=["micro_batch"], predictive=False)
+    with SimulatedGPU(_peak_of_whole_batch(x, y) - 1) as gpu:
+        gpu.adopt(model)
+        batch = {"x": x, "y": y}
+        result = guard(batch)
+    assert result.ooms >= 1 and result.micro_batches > 1, "the whole batch ran out and was retried split"
+    assert set(batch) == {"x", "y"}, "the user's dict is as it was"
+    torch.nn.functional.mse_loss(reference(x).squeeze(-1), y).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _peak_of_whole_batch(x: torch.Tensor, y: torch.Tensor) -> int:
+    """The simulated peak of one plain SGD step of a fresh MLP on the whole batch."""
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        torch.nn.functional.mse_loss(model(x).squeeze(-1), y).backward()
+        optimizer.step()
+        return gpu.max_memory_allocated()

@@ -9,10 +9,11 @@ hold shutdown signals from the optimizer step until the step is counted (``oomgu
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -110,8 +111,8 @@ class StepRunner:
     def _parts(self, job: _Job) -> tuple[list[Any], list[float]]:
         """The micro-batches and the weight of each one's loss in the batch's loss."""
         size, micro = job.size, job.plan.effective_micro_batch_size(job.size)
-        if micro >= size:
-            return [job.batch], [1.0]
+        if micro >= size:  # (a mapping of its own: a step that pops its labels leaves them for the next attempt)
+            return [copy.copy(job.batch) if isinstance(job.batch, MutableMapping) else job.batch], [1.0]
         _warn_if_batch_statistics(self.model, micro)
         parts = split_batch(job.batch, micro)
         if job.reduction == "sum":
