@@ -20,6 +20,7 @@ import torch
 from oomguard._backends.memory import MemoryBackend
 from oomguard._detect import is_oom
 from oomguard._effects.base import Effect, EffectTarget, Packer
+from oomguard._effects.hoststep import host_loops
 from oomguard._effects.layers import LayerOffloadEffect
 from oomguard._errors import GuardConfigError
 from oomguard._events import logger
@@ -119,12 +120,14 @@ class Effects:
 
     @contextlib.contextmanager
     def optimizer_step(self, plan: Plan, backend: MemoryBackend) -> Iterator[None]:
-        """Every effect's context around the optimizer step of ``plan``."""
+        """Every effect's context around the optimizer step of ``plan``; innermost, torch's loop for what steps on the
+        host (:mod:`.hoststep`)."""
         with contextlib.ExitStack() as stack:
             for effect in self._effects:
                 context = effect.optimizer_step(plan, backend)
                 if context is not None:
                     stack.enter_context(context)
+            stack.enter_context(host_loops(self.target.optimizer, backend))  # (innermost: the host copies are in)
             yield
 
     def scaler(self, plan: Plan) -> torch.amp.GradScaler | None:
