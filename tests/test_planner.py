@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import OOMGuard, Plan, oom_guard, plan
 from oomguard._backends import host
+from oomguard._backends.units import format_bytes
 from oomguard._cli.main import main
 from oomguard._planner.engine import dry_run
 from oomguard._planner.presets import PRESETS
@@ -175,6 +176,20 @@ def test_the_walk_goes_no_deeper_from_a_plan_the_host_has_no_room_for() -> None:
     assert len(offloaded) == 1 and not offloaded[0].host_fits and offloaded[0].phase is not None, "both short"
     assert [c.plan.offload_layers for c in report.candidates[2:]] == [1, 2], "on another way: layers, not state"
     assert not report.fits and report.to_dict()["reason"].startswith("host memory: needs "), "the 2 layers' host"
+
+
+def test_where_nothing_fits_because_the_host_budget_stopped_the_walk_the_answer_names_host_memory() -> None:
+    """Before: the answer named only the last plan's device shortfall (TinyLlama at 6 GiB beside 8 GiB of host:
+    "device memory runs out in optimizer"), although the plans that fit the device were refused for the host."""
+    ladder = ["micro_batch", "amp", "checkpointing", "optimizer_offload", "layer_offload"]
+    report = planned_with_host(3_000_000, capacity=2_000_000, ladder=ladder)
+    assert not report.fits and report.chosen.host_fits and report.chosen.phase is not None, "the last: device short"
+    streamed = next(c for c in report.candidates if c.plan.offload_layers == 2)
+    assert streamed.phase is None and not streamed.host_fits, "2 layers streamed fit the device, not the host"
+    reason = report.to_dict()["reason"]
+    assert reason.startswith("device memory runs out in ") and "host memory: the plans past the 2.9 MiB" in reason
+    assert f"needs {format_bytes(streamed.host_bytes)}" in reason and reason in report.table()
+    assert "or more host memory" in report.table()
 
 
 def test_the_walk_recommends_the_first_fitting_plan_and_it_really_fits() -> None:

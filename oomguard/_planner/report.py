@@ -136,6 +136,23 @@ class PlanReport:
         return self.recommended is not None
 
     @property
+    def reason(self) -> str | None:
+        """Why nothing fits (None where a plan does): the last plan's reason, and where the host budget kept the
+        walk from plans that relieve the device more, the least host memory one of them needs."""
+        if self.fits:
+            return None
+        reason = self.chosen.reason(self.host_budget_bytes) or "no plan fits"
+        refused = [c for c in self.candidates if not c.host_fits]
+        if self.chosen.host_fits and refused and self.host_budget_bytes is not None:
+            least = min(refused, key=lambda c: c.host_bytes)
+            reason += (
+                f"; host memory: the plans past the {format_bytes(self.host_budget_bytes)} host budget were not "
+                f"taken (the least of them, {least.plan.describe(self.batch_size)}, needs "
+                f"{format_bytes(least.host_bytes)})"
+            )
+        return reason
+
+    @property
     def predicted_peak_bytes(self) -> int:
         return self.chosen.peak_bytes
 
@@ -161,7 +178,7 @@ class PlanReport:
             "predicted_seconds": round(self.chosen.predicted_seconds, 4),
             "host_bytes": self.chosen.host_bytes,
             "host_memory_bytes": self.host_budget_bytes,
-            "reason": None if self.fits else self.chosen.reason(self.host_budget_bytes),
+            "reason": self.reason,
             "candidates": [c.to_dict(self.batch_size, self.host_budget_bytes) for c in self.candidates],
             "seconds": round(self.seconds, 2),
         }
@@ -185,11 +202,12 @@ class PlanReport:
         lines.append("")
         chosen = self.chosen
         if self.recommended is None:
+            host_short = any(not c.host_fits for c in self.candidates)
             lines.append(
                 f"Nothing on the ladder fits: the last plan tried needs {format_bytes(chosen.peak_bytes)} of tensors"
-                f"{'' if chosen.host_fits else f' and {format_bytes(chosen.host_bytes)} of host memory'}. "
-                f"Use a smaller batch or sequence, a smaller model, or a larger device"
-                f"{'' if chosen.host_fits else ' (or more host memory, or quantized_optimizer on the ladder)'}."
+                f"{'' if chosen.host_fits else f' and {format_bytes(chosen.host_bytes)} of host memory'}"
+                f" ({self.reason}). Use a smaller batch or sequence, a smaller model, or a larger device"
+                f"{' (or more host memory, or quantized_optimizer on the ladder)' if host_short else ''}."
             )
         else:
             rungs = ", ".join(self.recommended.rungs(self.batch_size)) or "none"
