@@ -126,6 +126,12 @@ def oom_guard(fn: Callable[[Any], Any] | None = None, /, **options: Any) -> Any:
             10 % or 1 GiB, whichever is larger; under ``SimulatedGPU(host_capacity=...)``, that limit. Read it
             back as ``guard.host_budget``. A host allocation that fails anyway raises :class:`HostMemoryError`
             (nothing committed) instead of moving down the ladder, which would offload more.
+        host_step: how the optimizer steps what the offload rungs step on the host. ``"fused"`` (default): an
+            exactly ``torch.optim.Adam`` or ``AdamW`` runs torch's fused CPU kernel there (one pass over memory,
+            several times the loop's speed; the same maths within float rounding, not bit for bit; its state
+            stays loadable by the unfused optimizer); other optimizers, and ``"exact"``, run the optimizer as
+            configured (``foreach`` turned into torch's per-parameter loop on the host: the same bits, no
+            model-sized temporaries). Parameters stepping on the device keep the optimizer's own kernels.
 
     Returns:
         A :class:`GuardedStep`: call it with a batch to get a :class:`StepResult`; ``.guard`` is the

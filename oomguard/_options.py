@@ -23,6 +23,7 @@ from oomguard._distributed.agreement import ddp_of, unwrap
 from oomguard._effects.base import EffectTarget
 from oomguard._effects.blocks import find_blocks
 from oomguard._effects.effects import Effects
+from oomguard._effects.hoststep import HOST_STEPS, HostStep
 from oomguard._effects.transaction import JournalMode, OptimizerTransaction, Scheduler
 from oomguard._errors import GuardConfigError
 from oomguard._events import EventSink
@@ -67,6 +68,7 @@ class GuardOptions:
     accelerator: Any = None
     preplan: bool = False
     host_memory: int | str | None = None
+    host_step: HostStep = "fused"
     #: ``ladder`` resolved into rung objects (unknown names are refused here).
     rungs: Ladder = field(init=False, repr=False)
     #: ``host_memory`` in bytes (None: the default budget, see :mod:`oomguard._backends.host`).
@@ -93,6 +95,12 @@ class GuardOptions:
             raise GuardConfigError(f"max_attempts must be an int >= 1, got {self.max_attempts!r}")
         if self.max_recovery_seconds is not None and not self.max_recovery_seconds > 0:
             raise GuardConfigError(f"max_recovery_seconds must be positive or None, got {self.max_recovery_seconds!r}")
+        if self.host_step not in HOST_STEPS:
+            raise GuardConfigError(
+                f"host_step must be 'fused' (torch's fused CPU kernel for Adam and AdamW on what the offload rungs "
+                f"step on the host: the same maths within float rounding) or 'exact' (the optimizer as configured, "
+                f"every bit its own), got {self.host_step!r}"
+            )
         _check_optional_positive_int("relax_after", self.relax_after)
         _check_optional_positive_int("tune_after", self.tune_after)
         _check_optional_positive_int("log_every", self.log_every)
@@ -204,7 +212,9 @@ def build_runner(
         scheduler=options.scheduler,
         transaction=OptimizerTransaction(options.optimizer, options.step_journal),
         effects=Effects(
-            EffectTarget(core, options.optimizer, find_blocks(core), options.accelerator), options.rungs.rungs
+            EffectTarget(core, options.optimizer, find_blocks(core), options.accelerator),
+            options.rungs.rungs,
+            options.host_step,
         ),
         max_grad_norm=options.max_grad_norm,
         item_counter=item_counter or options.count_items or default_item_counter(options.model),

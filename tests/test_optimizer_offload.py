@@ -58,7 +58,8 @@ def test_state_that_does_not_fit_trains_with_the_optimizer_on_the_host_after_one
 def test_undo_brings_the_state_back_to_the_device_bit_for_bit() -> None:
     model = make_llama(layers=2, hidden=64)
     twin = copy.deepcopy(model)
-    guard = OOMGuard(model_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters()), ladder=[])
+    guard = OOMGuard(model_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters()), ladder=[],
+                     host_step="exact")  # fmt: skip
     plain = OOMGuard(model_step(twin), model=twin, optimizer=torch.optim.AdamW(twin.parameters()), ladder=[])
     with SimulatedGPU("1GiB") as gpu:
         gpu.adopt(model, twin)
@@ -98,7 +99,7 @@ def test_an_interrupt_while_the_stepped_parameters_go_back_waits_until_all_are_b
     model = make_llama(layers=2, hidden=64)
     twin = copy.deepcopy(model)
     optimizer, reference = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(twin.parameters())
-    guard = OOMGuard(model_step(model), model=model, optimizer=optimizer, ladder=[])
+    guard = OOMGuard(model_step(model), model=model, optimizer=optimizer, ladder=[], host_step="exact")
     guard.plan = Plan(optimizer_offload=True)
     with SimulatedGPU("1GiB") as gpu:
         gpu.adopt(model, twin)

@@ -20,7 +20,7 @@ import torch
 from oomguard._backends.memory import MemoryBackend
 from oomguard._detect import is_oom
 from oomguard._effects.base import Effect, EffectTarget, Packer
-from oomguard._effects.hoststep import host_loops
+from oomguard._effects.hoststep import HostStep, host_loops
 from oomguard._effects.layers import LayerOffloadEffect
 from oomguard._errors import GuardConfigError
 from oomguard._events import logger
@@ -39,9 +39,11 @@ _HOLDERS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[Effects]] = wea
 class Effects:
     """Applies plans to one model and optimizer, through one effect per rung."""
 
-    def __init__(self, target: EffectTarget, rungs: Iterable[Rung] = ()) -> None:
+    def __init__(self, target: EffectTarget, rungs: Iterable[Rung] = (), host_step: HostStep = "fused") -> None:
         _refuse_if_held(target.model, self)
         self.target = target
+        #: How what steps on the host runs (``host_step=``, see :mod:`.hoststep`).
+        self.host_step: HostStep = host_step
         # Every registered rung's effect, whether the ladder lists it or not (a plan assigned by hand or remembered
         # may engage it), in the registry's order; then the ladder's own rungs'. Undone in the reverse order.
         own = [rung for rung in rungs if builtin(rung.name) is None]
@@ -120,14 +122,15 @@ class Effects:
 
     @contextlib.contextmanager
     def optimizer_step(self, plan: Plan, backend: MemoryBackend) -> Iterator[None]:
-        """Every effect's context around the optimizer step of ``plan``; innermost, torch's loop for what steps on the
-        host (:mod:`.hoststep`)."""
+        """Every effect's context around the optimizer step of ``plan``; innermost, torch's fused kernel or loop
+        for what steps on the host (:mod:`.hoststep`)."""
         with contextlib.ExitStack() as stack:
             for effect in self._effects:
                 context = effect.optimizer_step(plan, backend)
                 if context is not None:
                     stack.enter_context(context)
-            stack.enter_context(host_loops(self.target.optimizer, backend))  # (innermost: the host copies are in)
+            # (innermost: the host copies are in)
+            stack.enter_context(host_loops(self.target.optimizer, backend, self.host_step))
             yield
 
     def scaler(self, plan: Plan) -> torch.amp.GradScaler | None:

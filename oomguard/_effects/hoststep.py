@@ -1,25 +1,47 @@
-"""The optimizer step on the host: torch's per-parameter loop where the user asked for ``foreach``.
+"""The optimizer step on the host: torch's fused CPU kernel for Adam and AdamW, else its per-parameter loop where the
+user asked for ``foreach``.
 
 Where the offload rungs step parameters on the host (optimizer offload's copies and masters, layer offload's streamed
-blocks), a ``foreach=True`` optimizer runs torch's multi-tensor path on CPU tensors: it computes each intermediate
-for *every* parameter of a group before the next (Adam's ``sqrt(v)``: one more fp32 copy of the whole model, 4 bytes
-a parameter of host memory at the step's peak, a quarter of what optimizer offload keeps there) and is no faster on
-the CPU, which has no kernel launches to save. torch itself picks the loop for CPU tensors when ``foreach`` is left
-to it. So for the optimizers whose loop and multi-tensor path give the same bits on CPU tensors (checked for each, in
-``tests/test_host_memory.py``), each parameter group with a parameter on the host steps with ``foreach=False``, put
-back after the step; the maths and every bit of the result are the user's.
+blocks), the user's own optimizer runs on CPU tensors. Two of its paths serve the CPU badly:
+
+* ``foreach=True`` runs torch's multi-tensor path, which computes each intermediate for *every* parameter of a group
+  before the next (Adam's ``sqrt(v)``: one more fp32 copy of the whole model, 4 bytes a parameter of host memory at
+  the step's peak, a quarter of what optimizer offload keeps there) and is no faster on the CPU, which has no kernel
+  launches to save. torch itself picks the loop for CPU tensors when ``foreach`` is left to it.
+* The loop makes a pass over memory per elementwise operation; torch's fused CPU Adam (``fused=True``) makes one,
+  in place, vectorised and threaded, with no temporaries at all.
+
+So with ``host_step="fused"`` (the default), a group of exactly :class:`torch.optim.Adam` or
+:class:`torch.optim.AdamW` (a subclass may step otherwise: left alone) whose parameters on the host are CPU tensors of
+a float dtype with gradients of their own dtype steps them with ``fused=True``: the same hyperparameters, state and
+learning rates, the same maths within float rounding (the kernel orders its operations otherwise: not bit for bit,
+so the rung says so). The state it makes is the loop's (``step`` a float32 scalar on the CPU, moments like their
+parameters), so the user's unfused optimizer loads and steps it. ``GradScaler`` still unscales the gradients itself:
+it asks ``optimizer._step_supports_amp_scaling``, set when the optimizer was built unfused. With
+``host_step="exact"``, and for the other optimizers whose loop and multi-tensor path give the same bits on CPU tensors
+(checked for each, in ``tests/test_host_step.py``), the host part steps with ``foreach=False``: every bit the user's.
+
+A group whose parameters step partly on the device (the blocks layer offload keeps there, its embeddings and head) is
+split for the step: its device part steps as the user configured it, so the device keeps its kernels (on CUDA the
+loop or the fused kernel would be another speed, or other bits), and only the host part changes path. Every group is
+as it was after the step, whether it raised or not.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any, Literal
 
 import torch
 
 from oomguard._backends.memory import MemoryBackend
 
-__all__ = ["LOOPED_OPTIMIZERS", "host_loops"]
+__all__ = ["FUSED_OPTIMIZERS", "HOST_STEPS", "LOOPED_OPTIMIZERS", "HostStep", "host_loops"]
+
+#: How the host part of a step runs (see the module): torch's fused kernel, or the user's maths bit for bit.
+HostStep = Literal["fused", "exact"]
+HOST_STEPS: tuple[HostStep, ...] = ("fused", "exact")
 
 #: The optimizers whose per-parameter loop gives the multi-tensor path's bits on CPU tensors (torch's NAdam and
 #: RAdam do not: they keep their own path).
@@ -32,20 +54,60 @@ LOOPED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
 )
 
+#: The optimizers whose host part steps with torch's fused CPU kernel under ``host_step="fused"``.
+FUSED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
+
 
 @contextlib.contextmanager
-def host_loops(optimizer: torch.optim.Optimizer, backend: MemoryBackend) -> Iterator[None]:
-    """Around an optimizer step: ``foreach=False`` in each group that steps a parameter on the host (see the
-    module), the groups as they were after it, whether it raised or not."""
-    changed = []
-    if backend.offloads and type(optimizer) in LOOPED_OPTIMIZERS:  # (a subclass may step otherwise: left alone)
-        for group in optimizer.param_groups:
-            on_host = any(p.grad is not None and not backend.is_device(p) for p in group["params"])
-            if on_host and group.get("foreach") and not group.get("fused"):
-                changed.append(group)
-                group["foreach"] = False
+def host_loops(
+    optimizer: torch.optim.Optimizer, backend: MemoryBackend, host_step: HostStep = "fused"
+) -> Iterator[None]:
+    """Around an optimizer step: the host part of each group on the host path of ``host_step`` (see the module),
+    each group's flags, parameters and the optimizer's list of groups as they were after it, whether it raised or
+    not."""
+    groups = optimizer.param_groups
+    changed: list[tuple[dict[str, Any], dict[str, Any]]] = []  # each group changed in place, and its entries before
+    stepped: list[dict[str, Any]] = []  # the groups the step sees
+    fuse = host_step == "fused" and type(optimizer) in FUSED_OPTIMIZERS
+    for group in groups:
+        settings = _host_settings(group, fuse) if backend.offloads and type(optimizer) in LOOPED_OPTIMIZERS else {}
+        host = [p for p in group["params"] if p.grad is not None and not backend.is_device(p)] if settings else []
+        if fuse and host and not _fusable(host):  # (a bf16 gradient of an fp32 master, say: the loop takes it)
+            settings = _host_settings(group, fuse=False)
+        if not host or not settings:
+            stepped.append(group)
+            continue
+        on_host = {id(p) for p in host}
+        device = [p for p in group["params"] if id(p) not in on_host]
+        if any(p.grad is not None for p in device):  # a mixed group: the device part keeps the user's group
+            changed.append((group, {"params": group["params"]}))
+            group["params"] = device
+            stepped += [group, {**group, **settings, "params": host}]
+        else:
+            changed.append((group, {key: group[key] for key in settings}))
+            group.update(settings)
+            stepped.append(group)
+    optimizer.param_groups = stepped
     try:
         yield
     finally:
-        for group in changed:
-            group["foreach"] = True
+        optimizer.param_groups = groups
+        for group, before in changed:
+            group.update(before)
+
+
+def _host_settings(group: dict[str, Any], fuse: bool) -> dict[str, Any]:
+    """The entries ``group``'s host part steps with (none: as it is)."""
+    if group.get("fused") or group.get("capturable") or group.get("differentiable"):
+        return {}  # (the user's own kernel choice, or one the fused kernel refuses: left as it is)
+    if fuse:
+        return {"fused": True, "foreach": False}  # (torch refuses both at once)
+    return {"foreach": False} if group.get("foreach") else {}
+
+
+def _fusable(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused CPU Adam takes ``params``: CPU tensors of a float dtype, each gradient of its dtype."""
+    return all(
+        p.device.type == "cpu" and p.is_floating_point() and p.grad is not None and p.grad.dtype == p.dtype
+        for p in params
+    )
