@@ -4,6 +4,7 @@ asked for ``foreach`` (the multi-tensor path holds a copy of the model's size at
 from __future__ import annotations
 
 import copy
+import importlib
 from typing import Any
 
 import pytest
@@ -156,6 +157,7 @@ def _relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float((ours - theirs).norm() / theirs.norm().clamp_min(1e-30))
 
 
+@pytest.mark.filterwarnings("error:Seems like `optimizer.step")  # (the scheduler's: "overridden", or stepped first)
 @pytest.mark.parametrize(("cls", "settings"), ADAMS, ids=["AdamW", "Adam-amsgrad", "AdamW-maximize-amsgrad"])
 def test_adam_stepped_on_the_host_runs_torchs_fused_kernel_with_the_loops_maths_within_rounding(
     cls: type[torch.optim.Optimizer], settings: dict[str, Any], monkeypatch: pytest.MonkeyPatch
@@ -212,51 +214,66 @@ def test_a_state_the_fused_host_step_made_loads_into_the_users_unfused_optimizer
     assert {int(s["step"]) for s in optimizer.state.values()} == {int(s["step"]) for s in plain.state.values()} == {6}
 
 
-def test_a_mixed_group_steps_its_host_part_fused_and_its_device_part_as_the_user_built_it() -> None:
+def _adam_calls(monkeypatch: pytest.MonkeyPatch, gpu: SimulatedGPU, fail: bool = False) -> list[Any]:
+    """Each call of torch's ``adam`` (one a group, inside the optimizer's step): its fused and foreach flags and
+    where its parameters are (device: True). ``fail``: the call raises instead (a bug in the step, say)."""
+    calls: list[Any] = []
+    module = importlib.import_module("torch.optim.adam")  # (torch.optim's namespace hides its module of that name)
+    adam = module.adam
+
+    def spy(params: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        calls.append((bool(kwargs["fused"]), bool(kwargs["foreach"]), {gpu.is_device(p) for p in params}))
+        if fail:
+            raise RuntimeError("a bug in the step")
+        return adam(params, *args, **kwargs)
+
+    monkeypatch.setattr(module, "adam", spy)
+    return calls
+
+
+def test_a_mixed_group_steps_its_host_part_fused_and_its_device_part_as_the_user_built_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Layer offload streams the blocks, the embeddings and head stay on the device: one group steps on both. Only
-    its host part goes fused; the device part keeps the user's foreach (on CUDA: its kernels)."""
+    its host part goes fused; the device part keeps the user's foreach (on CUDA: its kernels). The scheduler and
+    the user's step hooks see the one group the user built."""
     model = make_llama(layers=2, hidden=32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    guard = OOMGuard(lambda batch: model(**batch), model=model, optimizer=optimizer, ladder=[], tune_after=None)
+    guard = OOMGuard(model_step(model), model=model, optimizer=optimizer, scheduler=_schedule(optimizer), ladder=[],
+                     tune_after=None)  # fmt: skip
     guard.plan = Plan(offload_layers=2)
-    seen: list[list[tuple[bool, bool, set[bool]]]] = []
+    hooked: list[int] = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: hooked.append(len(opt.param_groups)))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: hooked.append(len(opt.param_groups)))
     with SimulatedGPU("1GiB") as gpu:
         gpu.adopt(model)
-
-        def record(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            on = [{gpu.is_device(p) for p in g["params"] if p.grad is not None} for g in opt.param_groups]
-            seen.append([(bool(g["fused"]), bool(g["foreach"]), o) for g, o in zip(opt.param_groups, on, strict=True)])
-
-        optimizer.register_step_pre_hook(record)
+        calls = _adam_calls(monkeypatch, gpu)
         for _ in range(2):
             guard(ragged_lm_batch([8, 8], seq_len=8))
         guard.close()
-    assert seen == [[(False, True, {True}), (True, False, {False})]] * 2, "split: device part foreach, host fused"
+    assert calls == [(False, True, {True}), (True, False, {False})] * 2, "split: device part foreach, host fused"
+    assert hooked == [1] * 4, "the user's hooks see their own group"
     assert len(optimizer.param_groups) == 1 and optimizer.param_groups[0]["foreach"] is True
     assert len(optimizer.param_groups[0]["params"]) == len(list(model.parameters())), "every parameter back"
+    assert optimizer.param_groups[0]["lr"] == 1e-3 / 3, "the scheduler stepped the user's group"
 
 
-def test_a_host_step_that_raises_leaves_the_groups_as_the_user_built_them() -> None:
+def test_a_host_step_that_raises_leaves_the_groups_as_the_user_built_them(monkeypatch: pytest.MonkeyPatch) -> None:
     model = make_llama(layers=2, hidden=32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     groups, params = optimizer.param_groups, list(optimizer.param_groups[0]["params"])
-    guard = OOMGuard(lambda batch: model(**batch), model=model, optimizer=optimizer, ladder=[], tune_after=None)
+    guard = OOMGuard(model_step(model), model=model, optimizer=optimizer, ladder=[], tune_after=None)
     guard.plan = Plan(offload_layers=1)
-    fused: list[bool] = []
-
-    def fail(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        fused.append(any(g["fused"] for g in opt.param_groups))
-        raise RuntimeError("a bug in the user's step hook")
-
-    optimizer.register_step_pre_hook(fail)
     with SimulatedGPU("1GiB") as gpu:
         gpu.adopt(model)
-        with pytest.raises(RuntimeError, match="step hook"):
+        calls = _adam_calls(monkeypatch, gpu, fail=True)
+        with pytest.raises(RuntimeError, match="a bug in the step"):
             guard(ragged_lm_batch([8, 8], seq_len=8))
         guard.close()
-    assert fused == [True], "the step that raised ran fused"
+    assert calls[0] == (False, True, {True}), "the step that raised was split: its device part first"
     assert optimizer.param_groups is groups and len(groups) == 1
     assert groups[0]["params"] == params and (groups[0]["fused"], groups[0]["foreach"]) == (None, True)
+    assert "step" not in vars(optimizer), "the optimizer's own step method back"
 
 
 def test_host_step_fp16_with_its_gradient_scaler_runs_fused_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:

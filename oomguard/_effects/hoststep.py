@@ -23,8 +23,9 @@ it asks ``optimizer._step_supports_amp_scaling``, set when the optimizer was bui
 
 A group whose parameters step partly on the device (the blocks layer offload keeps there, its embeddings and head) is
 split for the step: its device part steps as the user configured it, so the device keeps its kernels (on CUDA the
-loop or the fused kernel would be another speed, or other bits), and only the host part changes path. Every group is
-as it was after the step, whether it raised or not.
+loop or the fused kernel would be another speed, or other bits), and only the host part changes path. The groups
+change only while the optimizer's own ``step`` runs (step hooks): the scheduler, the step's journal and the user's
+hooks see them as the user built them, and so does everything after the step, whether it raised or not.
 """
 
 from __future__ import annotations
@@ -62,45 +63,87 @@ FUSED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, t
 def host_loops(
     optimizer: torch.optim.Optimizer, backend: MemoryBackend, host_step: HostStep = "fused"
 ) -> Iterator[None]:
-    """Around an optimizer step: the host part of each group on the host path of ``host_step`` (see the module),
-    each group's flags, parameters and the optimizer's list of groups as they were after it, whether it raised or
-    not."""
-    groups = optimizer.param_groups
-    changed: list[tuple[dict[str, Any], dict[str, Any]]] = []  # each group changed in place, and its entries before
-    stepped: list[dict[str, Any]] = []  # the groups the step sees
-    fuse = host_step == "fused" and type(optimizer) in FUSED_OPTIMIZERS
-    for group in groups:
-        settings = _host_settings(group, fuse) if backend.offloads and type(optimizer) in LOOPED_OPTIMIZERS else {}
-        host = [p for p in group["params"] if p.grad is not None and not backend.is_device(p)] if settings else []
-        if fuse and host and not _fusable(host):  # (a bf16 gradient of an fp32 master, say: the loop takes it)
-            settings = _host_settings(group, fuse=False)
-        if not host or not settings:
-            stepped.append(group)
-            continue
-        on_host = {id(p) for p in host}
-        device = [p for p in group["params"] if id(p) not in on_host]
-        if any(p.grad is not None for p in device):  # a mixed group: the device part keeps the user's group
-            changed.append((group, {"params": group["params"]}))
-            group["params"] = device
-            stepped += [group, {**group, **settings, "params": host}]
-        else:
-            changed.append((group, {key: group[key] for key in settings}))
-            group.update(settings)
-            stepped.append(group)
-    optimizer.param_groups = stepped
+    """Around an optimizer step: the host part of each group on the host path of ``host_step`` (see the module)
+    while the optimizer's own ``step`` runs, and only then (from its last pre-hook to its first post-hook: the
+    scheduler, the journal and the user's hooks see the groups as the user built them); everything as it was after
+    it, whether it raised or not."""
+    if not backend.offloads or type(optimizer) not in LOOPED_OPTIMIZERS:  # (a subclass may step otherwise)
+        yield
+        return
+    split = _HostSplit(backend, fuse=host_step == "fused" and type(optimizer) in FUSED_OPTIMIZERS)
+    before = optimizer.register_step_pre_hook(split.enter)  # (after the user's pre-hooks, registered earlier)
+    after = optimizer.register_step_post_hook(split.leave)
+    optimizer._optimizer_step_post_hooks.move_to_end(after.id, last=False)  # type: ignore[attr-defined]  # (first)
+    had, previous = "step" in vars(optimizer), vars(optimizer).get("step")  # (a scheduler's wrapper, say)
+    stepping = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return stepping(*args, **kwargs)
+        finally:  # (a step that raised ran no post-hook: the journal's undo must see the user's groups)
+            split.leave(optimizer)
+
+    if hasattr(stepping, "_wrapped_by_lr_sched"):  # (a scheduler checks that it still counts the steps: it does)
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = step  # type: ignore[method-assign]
     try:
         yield
     finally:
-        optimizer.param_groups = groups
-        for group, before in changed:
+        if had:
+            optimizer.step = previous  # type: ignore[method-assign]
+        else:
+            del optimizer.step
+        before.remove()
+        after.remove()
+        split.leave(optimizer)
+
+
+class _HostSplit:
+    """The groups of one optimizer changed for its step (:meth:`enter`) and put back (:meth:`leave`)."""
+
+    def __init__(self, backend: MemoryBackend, fuse: bool) -> None:
+        self.backend, self.fuse = backend, fuse
+        self._groups: list[dict[str, Any]] | None = None  # the optimizer's list of groups, while changed
+        self._changed: list[tuple[dict[str, Any], dict[str, Any]]] = []  # each group changed, its entries before
+
+    def enter(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """The host part of each group on its host path; a group stepping partly on the device split in two."""
+        self.leave(optimizer)  # (a step hook that stepped again would nest: never twice)
+        stepped: list[dict[str, Any]] = []  # the groups the step sees
+        for group in optimizer.param_groups:
+            settings = _host_settings(group, self.fuse)
+            host = [p for p in group["params"] if p.grad is not None and not self.backend.is_device(p)]
+            if self.fuse and host and not _fusable(host):  # (a bf16 gradient of an fp32 master, say: the loop)
+                settings = _host_settings(group, fuse=False)
+            if not host or not settings:
+                stepped.append(group)
+                continue
+            on_host = {id(p) for p in host}
+            device = [p for p in group["params"] if id(p) not in on_host]
+            if any(p.grad is not None for p in device):  # a mixed group: the device part keeps the user's group
+                self._changed.append((group, {"params": group["params"]}))
+                group["params"] = device
+                stepped += [group, {**group, **settings, "params": host}]
+            else:
+                self._changed.append((group, {key: group[key] for key in settings}))
+                group.update(settings)
+                stepped.append(group)
+        self._groups, optimizer.param_groups = optimizer.param_groups, stepped
+
+    def leave(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """Every group, and the optimizer's list of them, as they were before :meth:`enter` (none changed: a no-op)."""
+        if self._groups is not None:
+            optimizer.param_groups, self._groups = self._groups, None
+        for group, before in reversed(self._changed):
             group.update(before)
+        self._changed.clear()
 
 
 def _host_settings(group: dict[str, Any], fuse: bool) -> dict[str, Any]:
     """The entries ``group``'s host part steps with (none: as it is)."""
-    if group.get("fused") or group.get("capturable") or group.get("differentiable"):
-        return {}  # (the user's own kernel choice, or one the fused kernel refuses: left as it is)
-    if fuse:
+    if group.get("fused"):
+        return {}  # (the user's own kernel choice: left as it is)
+    if fuse and not group.get("capturable") and not group.get("differentiable"):  # (what the fused kernel refuses)
         return {"fused": True, "foreach": False}  # (torch refuses both at once)
     return {"foreach": False} if group.get("foreach") else {}
 

@@ -408,6 +408,7 @@ def make_rig(
         ladder=ladder,
         sinks=[sink],
         relax_after=None,
+        host_step="exact",  # (recovered and intended plans are compared bit for bit: the fused host step rounds)
     )
     guard.plan = plan
     guard.effects._scaler_state = clone_state(state.scaler)  # the committed fp16 loss scale, as a running guard has it
