@@ -90,7 +90,7 @@ def host_loops(
         yield
     finally:
         if had:
-            optimizer.step = previous  # type: ignore[method-assign]
+            optimizer.step = previous  # type: ignore[method-assign,assignment]
         else:
             del optimizer.step
         before.remove()
