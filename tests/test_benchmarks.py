@@ -71,3 +71,17 @@ def test_gpu_script_parses_its_arguments_without_a_gpu(monkeypatch: pytest.Monke
     assert (given.steps, given.max_seconds, given.hand_plan) == (5, 60.0, {"micro_batch_size": 2})
     with pytest.raises(SystemExit):
         gpu.arguments(["--steps", "0"])
+
+
+def test_the_host_step_benchmark_times_every_contender(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    host_step = _load("host_step", monkeypatch)
+
+    assert host_step.main(["--params", "2e6", "--rounds", "1", "--json", str(tmp_path / "host.json")]) == 0
+    results = json.loads((tmp_path / "host.json").read_text())["results"]
+    assert {result["threads"] for result in results} >= {1}
+    for result in results:
+        assert {"loop", "foreach", "fused", "guard fused", "guard exact", "guard fused call"} <= set(
+            result["parameters_per_s"]
+        )
+        assert all(rate > 0 for rate in result["parameters_per_s"].values())
+        assert "deepspeed" in result["notes"], "DeepSpeed's figure, or why there is none"
