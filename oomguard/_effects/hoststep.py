@@ -6,7 +6,7 @@ for *every* parameter of a group before the next (Adam's ``sqrt(v)``: one more f
 a parameter of host memory at the step's peak, a quarter of what optimizer offload keeps there) and is no faster on
 the CPU, which has no kernel launches to save. torch itself picks the loop for CPU tensors when ``foreach`` is left
 to it. So for the optimizers whose loop and multi-tensor path give the same bits on CPU tensors (checked for each, in
-``tests/test_host_memory.py``), each parameter group with a parameter on the host steps with ``foreach=False``, put
+``tests/test_host_step.py``), each parameter group with a parameter on the host steps with ``foreach=False``, put
 back after the step; the maths and every bit of the result are the user's.
 """
 
