@@ -163,7 +163,9 @@ class RecoveredEvent(Event):
 class RelaxEvent(Event):
     """After clean steps the guard tried the cheaper ``plan`` once; ``outcome`` is ``"held"`` or ``"failed"``.
 
-    On ``"failed"`` the call went back to ``previous_plan`` and the next try waits ``next_try_after`` steps.
+    On ``"failed"`` the call went back to ``previous_plan`` and the next try waits ``next_try_after`` steps. On
+    ``"host"`` the try was not made: ``plan`` keeps more on the host than the guard's host budget (``description``
+    says how much of what), so the call ran on ``previous_plan``; the next try waits ``next_try_after`` steps.
     """
 
     kind: ClassVar[str] = "relax"
@@ -174,9 +176,10 @@ class RelaxEvent(Event):
     description: str
 
     def describe(self) -> str:
-        verdict = (
-            "it fits" if self.outcome == "held" else f"out of memory, back; next try in {self.next_try_after} steps"
-        )
+        verdict = {
+            "held": "it fits",
+            "host": f"not tried, the host has no room for it; next try in {self.next_try_after} steps",
+        }.get(self.outcome, f"out of memory, back; next try in {self.next_try_after} steps")
         return f"step {self.step}: stepping back up ({self.rung}): {self.description}: {verdict}"
 
 

@@ -15,7 +15,7 @@ from helpers.batches import tuple_batch
 from helpers.models import make_mlp
 from helpers.steps import mse_step
 
-from oomguard import GuardConfigError, HostMemoryError, LadderExhausted, OOMGuard, Plan, oom_guard
+from oomguard import GuardConfigError, HostMemoryError, LadderExhausted, OOMGuard, Plan, Rung, RungContext, oom_guard
 from oomguard._backends import host
 from oomguard._backends.host import HOST_MARGIN_MIN_BYTES, available_host_memory, host_budget
 from oomguard._backends.memory import CpuMemory, CudaMemory, snapshot
@@ -385,3 +385,40 @@ def test_a_remembered_plan_past_the_host_budget_is_not_taken(tmp_path: Path) -> 
         step.guard.close()
     assert not any(r.plan.optimizer_offload for r in results), [r.plan for r in results]
     assert results[-1].plan.quantized_optimizer and gpu.max_host_memory_allocated() <= weights_bytes(deep_mlp())
+
+
+# -- stepping back up never tries a plan past the host budget ----------------------------------------------------
+
+
+class Staging(Rung):
+    """A rung whose effect (none here) keeps 100,000 host bytes per sample of a micro-batch: stepping back up to
+    larger micro-batches adds host memory, as activation offload's saved tensors do."""
+
+    name = "staging"
+
+    def host_bytes(self, plan: Plan, context: RungContext) -> int:
+        return 100_000 * plan.effective_micro_batch_size(context.batch_size) if plan.level(self.name) else 0
+
+
+def test_a_step_back_up_past_the_host_budget_is_not_tried_and_said() -> None:
+    """Before: the guard stepped back up to micro-batches of 4 (400,000 host bytes in a 300,000-byte budget)."""
+    model = make_mlp(width=WIDTH)
+    optimizer = torch.optim.Adam(model.parameters())
+    ladder: list[Any] = ["micro_batch", Staging()]
+    options: dict[str, Any] = {"relax_after": 2, "tune_after": None, "predictive": False, "host_memory": 300_000}
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=ladder, **options)
+    degraded = Plan(micro_batch_size=2).with_level("staging", 1)
+    step.guard.plan = degraded
+    with SimulatedGPU("1MiB") as gpu:
+        gpu.adopt(model)
+        results = [step(tuple_batch(n=8, seed=seed)) for seed in range(3)]
+    assert [r.plan for r in results] == [degraded] * 3, "two clean steps, then no try at micro-batches of 4"
+    assert all(r.ooms == 0 for r in results)
+    relaxes = [event for event in step.guard.events if event.kind == "relax"]
+    assert [(e.outcome, e.rung, e.step) for e in relaxes] == [("host", "micro_batch", 2)]  # type: ignore[attr-defined]
+    held = relaxes[0]
+    assert held.plan["micro_batch_size"] == 4 and held.previous_plan == degraded.to_dict()  # type: ignore[attr-defined]
+    assert f"{format_bytes(400_000)} on the host, past the guard's host budget of {format_bytes(300_000)}" in str(
+        held.describe()
+    )
+    assert held.next_try_after == 4, "it waits twice as long, as after a try that failed"  # type: ignore[attr-defined]

@@ -31,7 +31,7 @@ from oomguard._guard.foresight import Foresight
 from oomguard._guard.loop import Loop
 from oomguard._guard.persist import UNSAVED_ADVICE, PlanStore, model_fingerprint
 from oomguard._guard.policies import Escalation, FailedStepUp, FailedTrial, Jump, Policy, Walk
-from oomguard._guard.recovery import Bounds, relax_event
+from oomguard._guard.recovery import Bounds, held_back_event, relax_event
 from oomguard._guard.results import GuardSummary, StepResult
 from oomguard._guard.tally import Tally
 from oomguard._ladder.plan import Phase, Plan
@@ -234,8 +234,12 @@ class OOMGuard:
         backend = current_backend(self._device)
         self._start(backend, batch, size)
         per_sample = items_per_sample(batch, size)
-        choice = self._buckets.choose(self.options.bucket(batch), size, backend, per_sample)
         agreement = self._runner.agreement
+        context = self._escalation.context(backend, size, agreement is not None)  # (with the host budget)
+        choice = self._buckets.choose(self.options.bucket(batch), size, backend, per_sample, context)
+        if choice.held_back is not None:  # a step back up the host has no room for: not tried, and said
+            wait = self._buckets.next_try_after(choice.bucket)
+            self._emit(held_back_event(self.steps, choice, size, backend, self._host_budget, wait))
         if agreement is not None:  # every rank starts the call on the same plan
             agreed = agreement.plan(choice.plan, size, self.ladder)
             if agreed != choice.plan:

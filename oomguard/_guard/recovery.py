@@ -16,6 +16,7 @@ from oomguard._backends.telemetry import apply_expandable_segments
 from oomguard._backends.units import format_bytes
 from oomguard._detect import is_oom
 from oomguard._events import FailureSummary, RelaxEvent
+from oomguard._guard.buckets import Choice
 from oomguard._guard.call import Call
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._step.runner import StepRunner
@@ -27,6 +28,7 @@ __all__ = [
     "device_telemetry",
     "free_failed_attempt",
     "give_up_message",
+    "held_back_event",
     "relax_event",
     "released",
 ]
@@ -234,4 +236,28 @@ def relax_event(call: Call, outcome: str, next_try_after: int) -> RelaxEvent:
         outcome=outcome,
         next_try_after=next_try_after,
         description=f"{choice.fallback.describe(call.size)} -> {choice.plan.describe(call.size)}",
+    )
+
+
+def held_back_event(
+    step: int, choice: Choice, size: int, backend: MemoryBackend, budget: int | None, wait: int
+) -> RelaxEvent:
+    """The event of a step back up that was due and not tried, its plan past the host budget (``choice.held_back``:
+    the rung, the plan, its host bytes); the call ran on ``choice.plan``, and the next try waits ``wait`` steps."""
+    if choice.held_back is None:
+        raise ValueError("a held-back relax event needs a choice that held a step back up back")
+    rung, plan, needs = choice.held_back
+    limit = "unknown" if budget is None else format_bytes(budget)
+    return RelaxEvent(
+        step=step,
+        plan=plan.to_dict(),
+        memory=snapshot(backend),
+        rung=rung,
+        previous_plan=choice.plan.to_dict(),
+        outcome="host",
+        next_try_after=wait,
+        description=(
+            f"{choice.plan.describe(size)} -> {plan.describe(size)}: it keeps about {format_bytes(needs)} on the "
+            f"host, past the guard's host budget of {limit}"
+        ),
     )
