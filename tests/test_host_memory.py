@@ -17,10 +17,11 @@ from helpers.steps import mse_step
 
 from oomguard import GuardConfigError, HostMemoryError, LadderExhausted, OOMGuard, Plan, Rung, RungContext, oom_guard
 from oomguard._backends import host
-from oomguard._backends.host import HOST_MARGIN_MIN_BYTES, available_host_memory, host_budget
+from oomguard._backends.host import HOST_MARGIN_MIN_BYTES, HostAllocationError, available_host_memory, host_budget
 from oomguard._backends.memory import CpuMemory, CudaMemory, snapshot
 from oomguard._backends.units import GiB, format_bytes
 from oomguard._detect import is_device_oom, is_host_oom
+from oomguard._effects.hostroom import ActivationLedger
 from oomguard.testing import SimulatedGPU
 
 DEFAULT = SimpleNamespace(host_bytes=None)  # the options of a guard given no host_memory=
@@ -422,3 +423,77 @@ def test_a_step_back_up_past_the_host_budget_is_not_tried_and_said() -> None:
         held.describe()
     )
     assert held.next_try_after == 4, "it waits twice as long, as after a try that failed"  # type: ignore[attr-defined]
+
+
+# -- activation offload keeps the host budget as it copies, and measures what it took -----------------------------
+
+PER_SAMPLE = 1028  # measured: the host bytes activation offload's saved tensors take per sample of the WIDTH MLP
+
+
+def sgd_guard(plan: Plan, host_memory: int, **options: Any) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
+    """A guarded MSE step on the WIDTH MLP with SGD and no step journal (the host holds the saved tensors only),
+    started on ``plan`` with a host budget of ``host_memory`` bytes."""
+    model = make_mlp(width=WIDTH)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ladder = ["micro_batch", "activation_offload"]
+    step = oom_guard(
+        mse_step(model),
+        model=model,
+        optimizer=optimizer,
+        ladder=ladder,
+        step_journal="never",
+        host_memory=host_memory,
+        tune_after=None,
+        **options,
+    )
+    step.guard.plan = plan
+    return step, model, optimizer
+
+
+def test_saved_activations_past_the_host_budget_raise_host_memory_error_before_the_copy() -> None:
+    """Before: the whole batch's saved tensors (65,792 bytes) went to the host past the guard's 40,000-byte budget."""
+    budget = 40_000
+    step, model, optimizer = sgd_guard(Plan(activation_offload=True), budget, relax_after=None)
+    before = snapshot_of(model, optimizer)
+    with SimulatedGPU("4MiB", host_capacity=10**7) as gpu:  # (the machine has room; the guard's budget does not)
+        gpu.adopt(model)
+        with pytest.raises(HostMemoryError, match=r"host memory \(RAM\) ran out") as raised:
+            step(tuple_batch(n=64, seed=1))
+        assert gpu.max_host_memory_allocated() <= budget, "no copy past the budget was made"
+        assert gpu.host_memory_allocated() == 0
+    message = str(raised.value)
+    assert "activation offload would copy" in message and f"host budget of {format_bytes(budget)}" in message
+    assert "of them already" in message, "what the saved tensors held when the next did not fit"
+    assert [plan for plan, _ in raised.value.tried] == [Plan(activation_offload=True)], "not down the ladder"
+    assert_unchanged(model, optimizer, before)
+
+
+def test_the_rung_estimates_saved_activations_from_the_last_step_and_stepping_up_past_the_budget_is_not_tried() -> None:
+    """Before: activation offload estimated no host memory, so the step back up to micro-batches of 32 (32,896
+    bytes of saved tensors) ran past the guard's 25,000-byte budget."""
+    budget, degraded = 25_000, Plan(micro_batch_size=16, activation_offload=True)
+    step, model, _ = sgd_guard(degraded, budget, relax_after=2, predictive=False)
+    with SimulatedGPU("4MiB", host_capacity=10**7) as gpu:
+        gpu.adopt(model)
+        results = [step(tuple_batch(n=64, seed=seed)) for seed in range(3)]
+        assert gpu.max_host_memory_allocated() == 16 * PER_SAMPLE <= budget
+    assert [(r.plan, r.ooms) for r in results] == [(degraded, 0)] * 3, "no try at micro-batches of 32"
+    ladder, context = step.guard.ladder, step.guard._escalation.context(gpu, 64, False)
+    assert ladder.host_bytes(degraded, context) == 16 * PER_SAMPLE, "what the step measured, per sample"
+    assert ladder.host_bytes(degraded.replace(micro_batch_size=32), context) == 32 * PER_SAMPLE
+    relaxes = [(e.outcome, e.plan["micro_batch_size"]) for e in step.guard.events if e.kind == "relax"]  # type: ignore[attr-defined]
+    assert relaxes == [("host", 32)]
+
+
+def test_the_budget_check_counts_the_plans_other_offloading_where_the_backend_does_not_count_the_host() -> None:
+    """Where the host is not counted (CUDA), the check adds the copies to the rungs' estimate of the rest."""
+    ledger = ActivationLedger()
+    ledger.budget, ledger.others = 100, lambda plan: 60
+    first = torch.empty(0)  # (stands for a host copy: what keeps its bytes alive)
+    ledger.reserve(30, Plan(activation_offload=True), None)
+    ledger.add(first, 30)
+    with pytest.raises(HostAllocationError, match=r"would copy 20 B more .* holds 30 B of them already and 90 B"):
+        ledger.reserve(20, Plan(activation_offload=True), None)
+    del first  # the graph that saved it let it go
+    assert ledger.held == 0
+    ledger.reserve(20, Plan(activation_offload=True), None)

@@ -92,7 +92,7 @@ class OOMGuard:
         bounds = Bounds(self.options.max_attempts, self.options.max_recovery_seconds)
         self._tally = Tally()
         self._emit = Emitter([self._tally, *self.options.sinks])  # (shared with the loop: neither holds the other)
-        self._escalation = Escalation(self._buckets, self._context)
+        self._escalation = Escalation(self._buckets, self._context, self.effects.target.activation_host)
         policies: list[Policy] = [
             FailedTrial(self._foresight),
             FailedStepUp(self._buckets, self._emit),
@@ -271,9 +271,12 @@ class OOMGuard:
 
     # -- success ----------------------------------------------------------------------------------------
     def _learn(self, call: Call, output: AttemptOutput) -> None:
-        """The peak model learns what the attempt of ``call`` that worked cost."""
+        """The peak model learns what the attempt of ``call`` that worked cost, and so does the activation-offload
+        rung's host estimate (what its saved tensors took per sample)."""
         items = round(output.micro_batch_size * call.items_per_sample)
         self._buckets.learn_success(call.plan, items, output.peak - output.base, call.backend)
+        if call.plan.activation_offload:
+            self.effects.target.activation_host.measured(output.micro_batch_size)
 
     def _result(self, call: Call, output: AttemptOutput) -> StepResult:
         plan = call.plan
@@ -338,6 +341,9 @@ class OOMGuard:
         # The walk leaves plans the host has no room for; the journal is skipped where its copies would not fit.
         self._escalation.model = dataclasses.replace(self._escalation.model, host_budget=self._host_budget)
         self._runner.transaction.host_budget = self._host_budget
+        # Activation offload keeps the budget as it copies, beside what the rest of a plan keeps (see hostroom).
+        ledger = self.effects.target.activation_host
+        ledger.budget, ledger.others = self._host_budget, self._escalation.host_besides_activations
         if distributed_active():
             self._runner.agreement = Agreement(self._device, self.ladder)
         rank = 0 if self._runner.agreement is None else self._runner.agreement.rank
