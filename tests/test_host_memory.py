@@ -18,10 +18,12 @@ from helpers.steps import mse_step
 from oomguard import GuardConfigError, HostMemoryError, LadderExhausted, OOMGuard, Plan, Rung, RungContext, oom_guard
 from oomguard._backends import host
 from oomguard._backends.host import HOST_MARGIN_MIN_BYTES, HostAllocationError, available_host_memory, host_budget
-from oomguard._backends.memory import CpuMemory, CudaMemory, snapshot
+from oomguard._backends.memory import CpuMemory, CudaMemory, MemorySnapshot, snapshot
 from oomguard._backends.units import GiB, format_bytes
+from oomguard._cli.main import main
 from oomguard._detect import is_device_oom, is_host_oom
 from oomguard._effects.hostroom import ActivationLedger
+from oomguard._events import JsonlSink, ProgressEvent
 from oomguard.testing import SimulatedGPU
 
 DEFAULT = SimpleNamespace(host_bytes=None)  # the options of a guard given no host_memory=
@@ -497,3 +499,42 @@ def test_the_budget_check_counts_the_plans_other_offloading_where_the_backend_do
     del first  # the graph that saved it let it go
     assert ledger.held == 0
     ledger.reserve(20, Plan(activation_offload=True), None)
+
+
+# -- oomguard report shows the host memory the events name --------------------------------------------------------
+
+
+def test_the_report_shows_the_host_memory_the_guard_held_in_all_and_per_rung(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: the report had no host figure, though the events carry ``memory.host_allocated``."""
+    log = tmp_path / "host.jsonl"
+    model = deep_mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+    options: dict[str, Any] = {"ladder": ["optimizer_offload"], "log_file": log, "log_every": 1}
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, **options)
+    with SimulatedGPU(ADAM_DOES_NOT_FIT, host_capacity=8 * weights_bytes(model)) as gpu:
+        gpu.adopt(model)
+        for seed in range(3):
+            step(tuple_batch(n=8, seed=seed))
+    step.guard.close()
+    held = [event.memory.host_allocated or 0 for event in step.guard.events]
+    on_offload = [e.memory.host_allocated or 0 for e in step.guard.events if e.plan.get("optimizer_offload")]
+    assert main(["report", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert f"Host memory held by the guard: at most {format_bytes(max(held))}" in out
+    assert "| host memory held (most) |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| optimizer_offload |"))
+    assert row.startswith("| optimizer_offload | 1 | 3 | ") and row.endswith(f" {format_bytes(max(on_offload))} |")
+    assert max(on_offload) >= 2 * weights_bytes(model), "Adam's moments, on the host"
+
+
+def test_a_report_of_events_without_host_figures_has_no_host_column(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    snap = MemorySnapshot("cuda", allocated=1, reserved=1, peak=1, capacity=None)  # (CUDA counts no host memory)
+    sink = JsonlSink(tmp_path / "cuda.jsonl")
+    sink(ProgressEvent(0, Plan().to_dict(), snap, loss=1.0, bucket=0, steps_by_rung={"none": 1}))
+    assert main(["report", str(sink.path)]) == 0
+    out = capsys.readouterr().out
+    assert "host memory" not in out.lower() and "| none | 0 | 1 | 0.00 s |\n" in out + "\n"
