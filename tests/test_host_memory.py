@@ -518,8 +518,8 @@ def test_the_report_shows_the_host_memory_the_guard_held_in_all_and_per_rung(
         for seed in range(3):
             step(tuple_batch(n=8, seed=seed))
     step.guard.close()
-    held = [event.memory.host_allocated or 0 for event in step.guard.events]
-    on_offload = [e.memory.host_allocated or 0 for e in step.guard.events if e.plan.get("optimizer_offload")]
+    held = [event.memory.host_held or 0 for event in step.guard.events]
+    on_offload = [e.memory.host_held or 0 for e in step.guard.events if e.plan.get("optimizer_offload")]
     assert main(["report", str(log)]) == 0
     out = capsys.readouterr().out
     assert f"Host memory held by the guard: at most {format_bytes(max(held))}" in out
@@ -538,3 +538,28 @@ def test_a_report_of_events_without_host_figures_has_no_host_column(
     assert main(["report", str(sink.path)]) == 0
     out = capsys.readouterr().out
     assert "host memory" not in out.lower() and "| none | 0 | 1 | 0.00 s |\n" in out + "\n"
+
+
+# -- after host memory ran out, the events and the error name the host's figures ----------------------------------
+
+
+def test_a_host_failure_is_described_by_the_host_memory_held_and_the_host_budget() -> None:
+    """Before: the OOM event gave the device's figures only, the give-up event none, and the error the budget but
+    not what the guard held on the host."""
+    budget = 65_600  # room for the whole batch's Tanh output (65,536 bytes), not for the model's output beside it
+    step, model, _ = sgd_guard(Plan(activation_offload=True), budget, relax_after=None)
+    with SimulatedGPU("4MiB", host_capacity=10**7) as gpu:
+        gpu.adopt(model)
+        with pytest.raises(HostMemoryError) as raised:
+            step(tuple_batch(n=64, seed=1))
+    oom, exhausted = (next(e for e in step.guard.events if e.kind == kind) for kind in ("oom", "exhausted"))
+    held = oom.error.memory.host_held  # type: ignore[attr-defined]  (at most, in the attempt that failed)
+    assert held == 64 * 256 * 4, "the saved Tanh output, copied before the next copy was refused"
+    figures = f"the guard held {format_bytes(held)} on the host, of its host budget of {format_bytes(budget)}"
+    assert f"(host memory (RAM) ran out: {figures}; device: " in oom.describe()
+    assert oom.to_dict()["error"]["host"] is True and oom.to_dict()["error"]["host_budget"] == budget
+    assert exhausted.describe().endswith(
+        f"giving up on this batch (host) after 1 OOM(s): host memory (RAM) ran out: {figures}"
+    )
+    assert (exhausted.to_dict()["host_held"], exhausted.to_dict()["host_budget"]) == (held, budget)
+    assert f"Host memory: {figures}; 0 B after freeing. Device memory in use after freeing: " in str(raised.value)

@@ -110,7 +110,7 @@ class OOMGuard:
             fix_fragmentation=self.options.fix_fragmentation,
             rungs=", ".join(self.ladder.names),
         )
-        self._loop.host_refused = walk.host_refused
+        self._loop.host_refused, self._loop.host_estimate = walk.host_refused, self._escalation.host_bytes
         self._started = False
         self._host_budget: int | None = None  # resolved at the first call (see host_budget)
         self._busy = OneCallAtATime()

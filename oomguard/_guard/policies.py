@@ -111,12 +111,26 @@ class Escalation:
     def context(self, backend: MemoryBackend, size: int, distributed: bool, **figures: Any) -> RungContext:
         """What the rungs may assume on a batch of ``size`` on ``backend``: the model's context, what was measured,
         and ``figures``."""
-        facts = self.model.facts
-        if self.activations is not None:  # (read now: each step on activation offload measures it afresh)
-            facts = {**facts, "activation_host_per_sample": self.activations.per_sample}
         return dataclasses.replace(
-            self.model, batch_size=size, can_offload=backend.offloads, distributed=distributed, facts=facts, **figures
+            self.model,
+            batch_size=size,
+            can_offload=backend.offloads,
+            distributed=distributed,
+            facts=self._facts(),
+            **figures,
         )
+
+    def _facts(self) -> dict[str, Any]:
+        """The model's facts, and what the run measured (read now: each step on activation offload measures it
+        afresh)."""
+        measured = {} if self.activations is None else {"activation_host_per_sample": self.activations.per_sample}
+        return {**self.model.facts, **measured}
+
+    def host_bytes(self, plan: Plan, size: int) -> int:
+        """What ``plan`` keeps on the host on a batch of ``size``, by the rungs' estimate (what a host failure
+        names where the backend does not count the host)."""
+        context = dataclasses.replace(self.model, batch_size=size, facts=self._facts())
+        return self.buckets.ladder.host_bytes(plan, context)
 
     def host_besides_activations(self, plan: Plan) -> int:
         """What ``plan`` keeps on the host besides activation offload's saved tensors, by the rungs' estimate (what

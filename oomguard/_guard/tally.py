@@ -27,6 +27,9 @@ __all__ = ["Tally", "event_problem"]
 
 #: The memory figures ``oomguard report --plot`` draws from every progress event.
 _DRAWN = ("peak", "allocated")
+#: The host figures the report reads (the host memory the guard held after an event, and the most since the peaks
+#: were reset: over the step, for a progress event).
+_HOST = ("host_allocated", "host_peak")
 
 
 def event_problem(event: Mapping[str, Any]) -> str | None:
@@ -46,7 +49,7 @@ def event_problem(event: Mapping[str, Any]) -> str | None:
     if memory is not None and not isinstance(memory, Mapping):
         return "memory not an object"
     figures = dict(memory or {})  # the figures read (the drawn ones, and the capacity): byte counts or null
-    if not all(figures.get(name) is None or _count(figures[name]) for name in (*_DRAWN, "capacity", "host_allocated")):
+    if not all(figures.get(name) is None or _count(figures[name]) for name in (*_DRAWN, "capacity", *_HOST)):
         return "memory figures not byte counts"
     if "seconds" in event and not _seconds(event["seconds"]):
         return "seconds not a number"
@@ -113,8 +116,8 @@ class Tally:
     #: Seconds lost to out-of-memory errors, by what they led to (a rung, or one of the two cases in brackets).
     seconds_lost: dict[str, float] = field(default_factory=dict)
     capacity: int | None = None
-    #: The most host memory the guard held that any event names (``memory.host_allocated``, where the backend
-    #: counts it); None when no event names it (CUDA).
+    #: The most host memory the guard held that any event names (``memory.host_allocated`` or ``host_peak``, where
+    #: the backend counts it); None when no event names it (CUDA).
     host_peak: int | None = None
     #: The same, per rung in effect in the event's plan (``"none"``: a plain plan).
     host_by_rung: dict[str, int] = field(default_factory=dict)
@@ -179,9 +182,11 @@ class Tally:
 
     def _count_host(self, event: Mapping[str, Any]) -> None:
         """The host memory ``event`` names, counted toward the peak and toward each rung its plan has in effect."""
-        held = (event.get("memory") or {}).get("host_allocated")
-        if held is None:
+        memory = event.get("memory") or {}
+        figures = [memory.get(name) for name in _HOST]
+        if all(figure is None for figure in figures):
             return
+        held = max(figure or 0 for figure in figures)
         self.host_peak = max(self.host_peak or 0, held)
         for name in _engaged(event.get("plan")):
             self.host_by_rung[name] = max(self.host_by_rung.get(name, 0), held)
