@@ -22,8 +22,11 @@ from oomguard._backends.memory import CpuMemory, CudaMemory, MemorySnapshot, sna
 from oomguard._backends.units import GiB, format_bytes
 from oomguard._cli.main import main
 from oomguard._detect import is_device_oom, is_host_oom
+from oomguard._distributed.agreement import _OUTCOMES as OUTCOMES
+from oomguard._distributed.peers import PeerFailure, failure_outcome, peer_failure
 from oomguard._effects.hostroom import ActivationLedger
 from oomguard._events import JsonlSink, ProgressEvent
+from oomguard._ladder.plan import Phase
 from oomguard.testing import SimulatedGPU
 
 DEFAULT = SimpleNamespace(host_bytes=None)  # the options of a guard given no host_memory=
@@ -563,3 +566,17 @@ def test_a_host_failure_is_described_by_the_host_memory_held_and_the_host_budget
     )
     assert (exhausted.to_dict()["host_held"], exhausted.to_dict()["host_budget"]) == (held, budget)
     assert f"Host memory: {figures}; 0 B after freeing. Device memory in use after freeing: " in str(raised.value)
+
+
+def test_a_peer_ranks_host_failure_is_told_as_host_memory_between_a_device_oom_and_a_fatal_error() -> None:
+    """Before: a rank whose host memory ran out told the others "fatal", and they said it was no out-of-memory
+    error (the two-rank run is in test_distributed.py)."""
+    host_error = MemoryError("host memory exhausted. Tried to allocate 4.0 KiB of host memory")
+    assert failure_outcome(host_error, separate_host=True) == "host"
+    assert failure_outcome(host_error, separate_host=False) == "oom", "on a CPU-only run the host is the device"
+    assert failure_outcome(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), True) == "oom"
+    assert failure_outcome(ValueError("a bug"), True) == "fatal"
+    error = peer_failure("host", Phase.FORWARD)
+    assert isinstance(error, PeerFailure) and "another rank ran out of host memory (RAM) in the forward" in str(error)
+    assert "not an out-of-memory error" not in str(error)
+    assert OUTCOMES.index("oom") < OUTCOMES.index("host") < OUTCOMES.index("fatal"), "the worst of the ranks wins"

@@ -176,7 +176,11 @@ class Loop:
     def _next_plan(self, call: Call, failure: Failure, agreement: Agreement | None, freed: MemorySnapshot) -> Plan:
         """The plan the first policy that answers gives; gives up (raises) when none does (the ladder has nothing
         left) or a bound on attempts or time is reached. After host memory ran out, only a plan that worked before
-        (a failed trial's or step up's) is tried: the next rungs would offload more to the host."""
+        (a failed trial's or step up's) is tried: the next rungs would offload more to the host. Under distributed
+        training not even that: the other ranks were told of a host failure and stopped (PeerFailure), so this rank
+        gives up too, before an agreement on the bounds that they would never join."""
+        if failure.host and agreement is not None:
+            self._give_up(call, "host", failure.error)
         bound = self._bound_reached(call, agreement)
         move: Move | None = None
         for policy in self.policies:
