@@ -139,7 +139,7 @@ def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
             armed[f"optimizer{step_index[0]}"] = True
             gpu.fail_allocation(1)
 
-    armed = dict.fromkeys(["forward", "backward", "optimizer0", "optimizer3", "host"], False)
+    armed = dict.fromkeys(["forward", "backward", "optimizer0", "optimizer3", *(["host"] * (mode == "host"))], False)
     model.register_forward_pre_hook(forward_fault)
     optimizer.register_step_pre_hook(optimizer_fault)
     # A fault armed inside the optimizer step is one nobody could foresee when the ranks agreed whether to

@@ -3,7 +3,7 @@
 It goes through the memory backend's copy primitives only (``to_host``, ``to_device``), so the same code runs on
 CUDA (pinned host memory, non-blocking copies) and on the simulated device of :mod:`oomguard._backends` (where a
 host copy leaves the accounting and a device copy enters it). Each copy keeps the guard's host budget as it is made,
-and is counted (:mod:`oomguard._effects.hostroom`).
+and is counted (:mod:`oomguard._effects.activation_host`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from oomguard._backends.memory import MemoryBackend
+from oomguard._effects.activation_host import ActivationLedger
 from oomguard._effects.base import Effect, Packer
-from oomguard._effects.hostroom import ActivationLedger
 from oomguard._ladder.plan import Plan
 
 __all__ = ["ActivationOffloadEffect", "ActivationOffloader"]
@@ -69,7 +69,7 @@ class ActivationOffloader:
     ) -> None:
         self.backend = backend
         self.keep = keep  # storages that must stay on the device (parameters)
-        # Where the host budget is kept as each copy is made, and the copies counted (see hostroom); the plan,
+        # Where the host budget is kept as each copy is made, and the copies counted (see activation_host); the plan,
         # whose other offloading the budget's check counts where the backend does not count the host.
         self.ledger, self.plan = ledger, plan
         self._copies: dict[int, tuple[weakref.ref[torch.UntypedStorage], _HostCopy]] = {}

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from oomguard._backends.memory import MemoryBackend, active_simulation, current_backend
-from oomguard._effects.hostroom import ActivationLedger
+from oomguard._effects.activation_host import ActivationLedger
 from oomguard._ladder.plan import Plan
 
 __all__ = ["Effect", "EffectTarget", "Packer"]

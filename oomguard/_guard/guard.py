@@ -341,7 +341,7 @@ class OOMGuard:
         # The walk leaves plans the host has no room for; the journal is skipped where its copies would not fit.
         self._escalation.model = dataclasses.replace(self._escalation.model, host_budget=self._host_budget)
         self._runner.transaction.host_budget = self._host_budget
-        # Activation offload keeps the budget as it copies, beside what the rest of a plan keeps (see hostroom).
+        # Activation offload keeps the budget as it copies, beside what the rest of a plan keeps (see activation_host).
         ledger = self.effects.target.activation_host
         ledger.budget, ledger.others = self._host_budget, self._escalation.host_besides_activations
         if distributed_active():

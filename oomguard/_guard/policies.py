@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Protocol
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._backends.units import format_bytes
-from oomguard._effects.hostroom import ActivationLedger
+from oomguard._effects.activation_host import ActivationLedger
 from oomguard._events import Event
 from oomguard._guard.buckets import Buckets
 from oomguard._guard.call import Call

@@ -248,7 +248,7 @@ def held_back_event(
     """The event of a step back up that was due and not tried, its plan past the host budget (``choice.held_back``:
     the rung, the plan, its host bytes); the call ran on ``choice.plan``, and the next try waits ``wait`` steps."""
     if choice.held_back is None:
-        raise ValueError("a held-back relax event needs a choice that held a step back up back")
+        raise ValueError("a held-back relax event needs the choice of a step back up the host had no room for")
     rung, plan, needs = choice.held_back
     limit = "unknown" if budget is None else format_bytes(budget)
     return RelaxEvent(
