@@ -37,6 +37,7 @@ __all__ = [
     "RelaxEvent",
     "StateFileEvent",
     "TunedEvent",
+    "host_figures",
     "strict_json",
 ]
 
@@ -53,13 +54,26 @@ class FailureSummary:
     micro_batch: int  # index of the micro-batch that failed (0 outside forward/backward)
     requested_bytes: int | None
     memory: MemorySnapshot
+    #: Host memory (RAM) ran out, not the device's: ``memory.host_allocated`` and ``host_budget`` are the figures
+    #: that matter then (the device's say how full it was, not what failed).
+    host: bool = False
+    host_budget: int | None = None  # the guard's host budget, where ``host`` (None: unlimited or unknown)
 
     @classmethod
     def from_exception(
-        cls, exc: BaseException, phase: Phase, micro_batch: int, memory: MemorySnapshot
+        cls,
+        exc: BaseException,
+        phase: Phase,
+        micro_batch: int,
+        memory: MemorySnapshot,
+        *,
+        host: bool = False,
+        host_budget: int | None = None,
     ) -> FailureSummary:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return cls(type(exc).__name__, message[:500], phase, micro_batch, requested_bytes(str(exc)), memory)
+        return cls(
+            type(exc).__name__, message[:500], phase, micro_batch, requested_bytes(str(exc)), memory, host, host_budget
+        )
 
     def same_error(self, other: FailureSummary) -> bool:
         """Whether ``other`` is the same error: its type and message."""
@@ -73,6 +87,27 @@ class FailureSummary:
         )
         asked = f", tried to allocate {format_bytes(self.requested_bytes)}" if self.requested_bytes else ""
         return f"OOM in {where}{asked}"
+
+    def describe_memory(self) -> str:
+        """The memory picture at the failure: the device's; after a host failure, the host's first."""
+        if not self.host:
+            return self.memory.describe()
+        held = host_figures(self.memory.host_held, self.host_budget)
+        return f"host memory (RAM) ran out: {held}; device: {self.memory.describe()}"
+
+
+def host_figures(held: int | None, budget: int | None, estimated: bool = False) -> str:
+    """What the guard held on the host (``estimated``: by the rungs) and its budget, in words: ``"the guard held
+    3.9 GiB on the host, of its host budget of 4.0 GiB"``."""
+    amount = (
+        "an unknown amount (this device does not count it)"
+        if held is None
+        else f"about {format_bytes(held)} (the rungs' estimate: this device does not count it)"
+        if estimated
+        else format_bytes(held)
+    )
+    limit = "no host budget known" if budget is None else f"its host budget of {format_bytes(budget)}"
+    return f"the guard held {amount} on the host, of {limit}"
 
 
 @dataclass(frozen=True)
@@ -111,7 +146,7 @@ class OOMEvent(Event):
     def describe(self) -> str:
         text = (
             f"step {self.step}: {self.error.describe()} on attempt {self.attempt} "
-            f"({self.error.memory.describe()}); freed back to {format_bytes(self.memory_after_recovery.allocated)}"
+            f"({self.error.describe_memory()}); freed back to {format_bytes(self.memory_after_recovery.allocated)}"
         )
         fragmented = (self.telemetry or {}).get("fragmentation")
         if fragmented:
@@ -163,7 +198,9 @@ class RecoveredEvent(Event):
 class RelaxEvent(Event):
     """After clean steps the guard tried the cheaper ``plan`` once; ``outcome`` is ``"held"`` or ``"failed"``.
 
-    On ``"failed"`` the call went back to ``previous_plan`` and the next try waits ``next_try_after`` steps.
+    On ``"failed"`` the call went back to ``previous_plan`` and the next try waits ``next_try_after`` steps. On
+    ``"host"`` the try was not made: ``plan`` keeps more on the host than the guard's host budget (``description``
+    says how much of what), so the call ran on ``previous_plan``; the next try waits ``next_try_after`` steps.
     """
 
     kind: ClassVar[str] = "relax"
@@ -174,9 +211,10 @@ class RelaxEvent(Event):
     description: str
 
     def describe(self) -> str:
-        verdict = (
-            "it fits" if self.outcome == "held" else f"out of memory, back; next try in {self.next_try_after} steps"
-        )
+        verdict = {
+            "held": "it fits",
+            "host": f"not tried, the host has no room for it; next try in {self.next_try_after} steps",
+        }.get(self.outcome, f"out of memory, back; next try in {self.next_try_after} steps")
         return f"step {self.step}: stepping back up ({self.rung}): {self.description}: {verdict}"
 
 
@@ -221,9 +259,19 @@ class ExhaustedEvent(Event):
     reason: str
     ooms: int
     tried: tuple[dict[str, Any], ...]
+    #: Where ``reason`` is ``"host"``: the host memory the guard held at the last failure (counted, or where the
+    #: backend does not count it the rungs' estimate: ``host_estimated``), and its host budget.
+    host_held: int | None = None
+    host_budget: int | None = None
+    host_estimated: bool = False
 
     def describe(self) -> str:
-        return f"step {self.step}: giving up on this batch ({self.reason}) after {self.ooms} OOM(s)"
+        text = f"step {self.step}: giving up on this batch ({self.reason}) after {self.ooms} OOM(s)"
+        if self.reason == "host":
+            text += (
+                f": host memory (RAM) ran out: {host_figures(self.host_held, self.host_budget, self.host_estimated)}"
+            )
+        return text
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,9 @@ a smaller budget (the whole batch does not fit there, so both ranks must agree o
 runs out of memory on purpose in the forward of step 1, in the backward of step 2, in the optimizer step of step
 3 and in the optimizer step of step 0 (Adam's lazy first step). Rank 0 writes what it saw; both write weights.
 
+Mode "host" runs on activation offload and only rank 1 fails, once: its host memory runs out in the forward of step
+1 (a failed pinned allocation). Every rank stops there; rank 0 says it was another rank's host memory.
+
 Mode "chunked" trains a tiny Qwen2 (tied embeddings) instead, on a plan with the chunked_loss rung, and rank 1 runs
 out of memory inside the chunked loss of step 1 (see :func:`chunked_main`).
 """
@@ -112,7 +115,7 @@ def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
     step_index = [0]
     # "offload" and "quantized": one fault, in rank 1's first optimizer step, answered by optimizer_offload (or
     # quantized_optimizer) on every rank.
-    faults = {0: "optimizer"} if mode in ("offload", "quantized") else FAULTS
+    faults = {0: "optimizer"} if mode in ("offload", "quantized") else {1: "host"} if mode == "host" else FAULTS
 
     def train_step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
@@ -127,13 +130,16 @@ def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
         if rank == 1 and faults.get(step_index[0]) == "forward" and not armed["forward"]:
             armed["forward"] = True
             gpu.fail_allocation(1)
+        if rank == 1 and faults.get(step_index[0]) == "host" and not armed["host"]:
+            armed["host"] = True
+            gpu.fail_host_allocation(1)  # the first saved activation's host copy
 
     def optimizer_fault(*_: Any) -> None:
         if rank == 1 and faults.get(step_index[0]) == "optimizer" and not armed[f"optimizer{step_index[0]}"]:
             armed[f"optimizer{step_index[0]}"] = True
             gpu.fail_allocation(1)
 
-    armed = dict.fromkeys(["forward", "backward", "optimizer0", "optimizer3"], False)
+    armed = dict.fromkeys(["forward", "backward", "optimizer0", "optimizer3", *(["host"] * (mode == "host"))], False)
     model.register_forward_pre_hook(forward_fault)
     optimizer.register_step_pre_hook(optimizer_fault)
     # A fault armed inside the optimizer step is one nobody could foresee when the ranks agreed whether to
@@ -148,6 +154,8 @@ def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
     guard = OOMGuard(
         train_step, model=ddp, optimizer=optimizer, log_file=out / "events.jsonl", step_journal=journal, ladder=ladder
     )
+    if mode == "host":
+        guard.plan = Plan(activation_offload=True)
     report: dict[str, Any] = {"steps": []}
     with gpu:
         gpu.adopt(model)
@@ -157,6 +165,7 @@ def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
                 result = guard(batch)
             except Exception as error:  # "fast" mode: reported, and the job stops on every rank alike
                 report["error"] = {"step": step, "type": type(error).__name__}
+                report["message"] = str(error)
                 break
             report["steps"].append({"plan": result.plan.to_dict(), "ooms": result.ooms, "loss": result.loss})
         agreement = guard._runner.agreement

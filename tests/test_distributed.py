@@ -134,6 +134,19 @@ def test_an_unforeseeable_fault_in_an_unjournaled_step_stops_every_rank_alike(tm
     assert errors == [{"step": 3, "type": "StepRollbackError"}] * 2
 
 
+def test_a_rank_whose_host_memory_runs_out_stops_every_rank_and_the_others_say_it_was_host_memory(
+    tmp_path: Path,
+) -> None:
+    """Before: rank 0 said rank 1 failed "with an error that is not an out-of-memory error"."""
+    codes, hung = launch(WORKER, tmp_path, "host", timeout=180)
+    assert not hung and codes == [0, 0]
+    found = reports(tmp_path)
+    assert [r["error"] for r in found] == [{"step": 1, "type": "PeerFailure"}, {"step": 1, "type": "HostMemoryError"}]
+    assert "another rank ran out of host memory (RAM) in the forward phase" in found[0]["message"]
+    assert "not an out-of-memory error" not in found[0]["message"]
+    assert [len(r["steps"]) for r in found] == [1, 1], "step 0 committed on both, step 1 on neither"
+
+
 def test_a_hung_rank_is_killed_not_left_behind(tmp_path: Path) -> None:
     started = time.monotonic()
     codes, hung = launch(WORKER, tmp_path, "hang", timeout=15)

@@ -115,6 +115,30 @@ def test_activation_offload_does_not_copy_streamed_weights() -> None:
     assert copied == []
 
 
+def test_streamed_gradients_go_down_without_a_synchronize_each() -> None:
+    """Issue 27: layer offload synchronized once per gradient (so that the host could add it), stalling the
+    device's compute on every copy; the first micro-batch's gradients need no add, and the step waits once."""
+    model = make_llama(layers=4, hidden=64)
+    guard = lm_guard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ladder=[])
+    guard.plan = Plan(offload_layers=4)
+    batch = ragged_lm_batch([6, 6], seq_len=6)
+    streamed = sum(1 for p in model.model.layers.parameters())
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        guard(batch)  # (the first step on the plan offloads the blocks)
+        synchronize, waits = gpu.synchronize, []
+
+        def counted() -> None:
+            waits.append(1)
+            synchronize()
+
+        gpu.synchronize = counted  # type: ignore[method-assign]
+        before = [p.detach().clone() for p in model.parameters()]
+        guard(batch)
+    assert len(waits) <= 4, f"{len(waits)} synchronizes for a step streaming {streamed} gradients"
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)), "it stepped"
+
+
 # Bug (the optimizer step's transaction, relaxing a plan): the step's transient-memory bound was kept across plan
 # changes. Measured while the offloaded layers' optimizer ran on the host, it is far too small once the plan is relaxed
 # and that state is back on the device: the fast (unjournaled) path is taken, the foreach AdamW step runs out of memory

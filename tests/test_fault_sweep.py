@@ -279,8 +279,8 @@ def test_the_host_sweep_sees_a_host_fault_escalated_as_a_device_oom(monkeypatch:
     reference, phases = host_allocations(state, batch, plan)
     # Every out-of-memory error is the device's, whatever ran out (the detector that cannot tell the host apart).
     monkeypatch.setattr("oomguard._guard.loop.is_host_oom", lambda error: False)
-    for module in ("oomguard._effects.transaction", "oomguard._step.runner"):
-        monkeypatch.setattr(f"{module}.is_device_oom", lambda error, separate_host: is_oom(error))
+    # (what the ranks tell each other: one place, for the optimizer step's transaction and the runner alike)
+    monkeypatch.setattr("oomguard._distributed.peers.is_device_oom", lambda error, separate_host: is_oom(error))
     escalated = host_fault_step(state, batch, plan, len(phases))
     found = host_problems(escalated, reference, plan=plan, step=0, sample_ids=[0, 1, 2, 3, 4])
     assert "the call returned: the failed host allocation was recovered from" in found

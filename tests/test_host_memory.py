@@ -15,12 +15,18 @@ from helpers.batches import tuple_batch
 from helpers.models import make_mlp
 from helpers.steps import mse_step
 
-from oomguard import GuardConfigError, HostMemoryError, LadderExhausted, OOMGuard, Plan, oom_guard
+from oomguard import GuardConfigError, HostMemoryError, LadderExhausted, OOMGuard, Plan, Rung, RungContext, oom_guard
 from oomguard._backends import host
-from oomguard._backends.host import HOST_MARGIN_MIN_BYTES, available_host_memory, host_budget
-from oomguard._backends.memory import CpuMemory, CudaMemory, snapshot
+from oomguard._backends.host import HOST_MARGIN_MIN_BYTES, HostAllocationError, available_host_memory, host_budget
+from oomguard._backends.memory import CpuMemory, CudaMemory, MemorySnapshot, snapshot
 from oomguard._backends.units import GiB, format_bytes
+from oomguard._cli.main import main
 from oomguard._detect import is_device_oom, is_host_oom
+from oomguard._distributed.agreement import _OUTCOMES as OUTCOMES
+from oomguard._distributed.peers import PeerFailure, failure_outcome, peer_failure
+from oomguard._effects.activation_host import ActivationLedger
+from oomguard._events import JsonlSink, ProgressEvent
+from oomguard._ladder.plan import Phase
 from oomguard.testing import SimulatedGPU
 
 DEFAULT = SimpleNamespace(host_bytes=None)  # the options of a guard given no host_memory=
@@ -385,3 +391,192 @@ def test_a_remembered_plan_past_the_host_budget_is_not_taken(tmp_path: Path) -> 
         step.guard.close()
     assert not any(r.plan.optimizer_offload for r in results), [r.plan for r in results]
     assert results[-1].plan.quantized_optimizer and gpu.max_host_memory_allocated() <= weights_bytes(deep_mlp())
+
+
+# -- stepping back up never tries a plan past the host budget ----------------------------------------------------
+
+
+class Staging(Rung):
+    """A rung whose effect (none here) keeps 100,000 host bytes per sample of a micro-batch: stepping back up to
+    larger micro-batches adds host memory, as activation offload's saved tensors do."""
+
+    name = "staging"
+
+    def host_bytes(self, plan: Plan, context: RungContext) -> int:
+        return 100_000 * plan.effective_micro_batch_size(context.batch_size) if plan.level(self.name) else 0
+
+
+def test_a_step_back_up_past_the_host_budget_is_not_tried_and_said() -> None:
+    """Before: the guard stepped back up to micro-batches of 4 (400,000 host bytes in a 300,000-byte budget)."""
+    model = make_mlp(width=WIDTH)
+    optimizer = torch.optim.Adam(model.parameters())
+    ladder: list[Any] = ["micro_batch", Staging()]
+    options: dict[str, Any] = {"relax_after": 2, "tune_after": None, "predictive": False, "host_memory": 300_000}
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, ladder=ladder, **options)
+    degraded = Plan(micro_batch_size=2).with_level("staging", 1)
+    step.guard.plan = degraded
+    with SimulatedGPU("1MiB") as gpu:
+        gpu.adopt(model)
+        results = [step(tuple_batch(n=8, seed=seed)) for seed in range(3)]
+    assert [r.plan for r in results] == [degraded] * 3, "two clean steps, then no try at micro-batches of 4"
+    assert all(r.ooms == 0 for r in results)
+    relaxes = [event for event in step.guard.events if event.kind == "relax"]
+    assert [(e.outcome, e.rung, e.step) for e in relaxes] == [("host", "micro_batch", 2)]  # type: ignore[attr-defined]
+    held = relaxes[0]
+    assert held.plan["micro_batch_size"] == 4 and held.previous_plan == degraded.to_dict()  # type: ignore[attr-defined]
+    assert f"{format_bytes(400_000)} on the host, past the guard's host budget of {format_bytes(300_000)}" in str(
+        held.describe()
+    )
+    assert held.next_try_after == 4, "it waits twice as long, as after a try that failed"  # type: ignore[attr-defined]
+
+
+# -- activation offload keeps the host budget as it copies, and measures what it took -----------------------------
+
+PER_SAMPLE = 1028  # measured: the host bytes activation offload's saved tensors take per sample of the WIDTH MLP
+
+
+def sgd_guard(plan: Plan, host_memory: int, **options: Any) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
+    """A guarded MSE step on the WIDTH MLP with SGD and no step journal (the host holds the saved tensors only),
+    started on ``plan`` with a host budget of ``host_memory`` bytes."""
+    model = make_mlp(width=WIDTH)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ladder = ["micro_batch", "activation_offload"]
+    step = oom_guard(
+        mse_step(model),
+        model=model,
+        optimizer=optimizer,
+        ladder=ladder,
+        step_journal="never",
+        host_memory=host_memory,
+        tune_after=None,
+        **options,
+    )
+    step.guard.plan = plan
+    return step, model, optimizer
+
+
+def test_saved_activations_past_the_host_budget_raise_host_memory_error_before_the_copy() -> None:
+    """Before: the whole batch's saved tensors (65,792 bytes) went to the host past the guard's 40,000-byte budget."""
+    budget = 40_000
+    step, model, optimizer = sgd_guard(Plan(activation_offload=True), budget, relax_after=None)
+    before = snapshot_of(model, optimizer)
+    with SimulatedGPU("4MiB", host_capacity=10**7) as gpu:  # (the machine has room; the guard's budget does not)
+        gpu.adopt(model)
+        with pytest.raises(HostMemoryError, match=r"host memory \(RAM\) ran out") as raised:
+            step(tuple_batch(n=64, seed=1))
+        assert gpu.max_host_memory_allocated() <= budget, "no copy past the budget was made"
+        assert gpu.host_memory_allocated() == 0
+    message = str(raised.value)
+    assert "activation offload would copy" in message and f"host budget of {format_bytes(budget)}" in message
+    assert "of them already" in message, "what the saved tensors held when the next did not fit"
+    assert [plan for plan, _ in raised.value.tried] == [Plan(activation_offload=True)], "not down the ladder"
+    assert_unchanged(model, optimizer, before)
+
+
+def test_the_rung_estimates_saved_activations_from_the_last_step_and_stepping_up_past_the_budget_is_not_tried() -> None:
+    """Before: activation offload estimated no host memory, so the step back up to micro-batches of 32 (32,896
+    bytes of saved tensors) ran past the guard's 25,000-byte budget."""
+    budget, degraded = 25_000, Plan(micro_batch_size=16, activation_offload=True)
+    step, model, _ = sgd_guard(degraded, budget, relax_after=2, predictive=False)
+    with SimulatedGPU("4MiB", host_capacity=10**7) as gpu:
+        gpu.adopt(model)
+        results = [step(tuple_batch(n=64, seed=seed)) for seed in range(3)]
+        assert gpu.max_host_memory_allocated() == 16 * PER_SAMPLE <= budget
+    assert [(r.plan, r.ooms) for r in results] == [(degraded, 0)] * 3, "no try at micro-batches of 32"
+    ladder, context = step.guard.ladder, step.guard._escalation.context(gpu, 64, False)
+    assert ladder.host_bytes(degraded, context) == 16 * PER_SAMPLE, "what the step measured, per sample"
+    assert ladder.host_bytes(degraded.replace(micro_batch_size=32), context) == 32 * PER_SAMPLE
+    relaxes = [(e.outcome, e.plan["micro_batch_size"]) for e in step.guard.events if e.kind == "relax"]  # type: ignore[attr-defined]
+    assert relaxes == [("host", 32)]
+
+
+def test_the_budget_check_counts_the_plans_other_offloading_where_the_backend_does_not_count_the_host() -> None:
+    """Where the host is not counted (CUDA), the check adds the copies to the rungs' estimate of the rest."""
+    ledger = ActivationLedger()
+    ledger.budget, ledger.others = 100, lambda plan: 60
+    first = torch.empty(0)  # (stands for a host copy: what keeps its bytes alive)
+    ledger.reserve(30, Plan(activation_offload=True), None)
+    ledger.add(first, 30)
+    with pytest.raises(HostAllocationError, match=r"would copy 20 B more .* holds 30 B of them already and 90 B"):
+        ledger.reserve(20, Plan(activation_offload=True), None)
+    del first  # the graph that saved it let it go
+    assert ledger.held == 0
+    ledger.reserve(20, Plan(activation_offload=True), None)
+
+
+# -- oomguard report shows the host memory the events name --------------------------------------------------------
+
+
+def test_the_report_shows_the_host_memory_the_guard_held_in_all_and_per_rung(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: the report had no host figure, though the events carry ``memory.host_allocated``."""
+    log = tmp_path / "host.jsonl"
+    model = deep_mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+    options: dict[str, Any] = {"ladder": ["optimizer_offload"], "log_file": log, "log_every": 1}
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, **options)
+    with SimulatedGPU(ADAM_DOES_NOT_FIT, host_capacity=8 * weights_bytes(model)) as gpu:
+        gpu.adopt(model)
+        for seed in range(3):
+            step(tuple_batch(n=8, seed=seed))
+    step.guard.close()
+    held = [event.memory.host_held or 0 for event in step.guard.events]
+    on_offload = [e.memory.host_held or 0 for e in step.guard.events if e.plan.get("optimizer_offload")]
+    assert main(["report", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert f"Host memory held by the guard: at most {format_bytes(max(held))}" in out
+    assert "| host memory held (most) |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| optimizer_offload |"))
+    assert row.startswith("| optimizer_offload | 1 | 3 | ") and row.endswith(f" {format_bytes(max(on_offload))} |")
+    assert max(on_offload) >= 2 * weights_bytes(model), "Adam's moments, on the host"
+
+
+def test_a_report_of_events_without_host_figures_has_no_host_column(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    snap = MemorySnapshot("cuda", allocated=1, reserved=1, peak=1, capacity=None)  # (CUDA counts no host memory)
+    sink = JsonlSink(tmp_path / "cuda.jsonl")
+    sink(ProgressEvent(0, Plan().to_dict(), snap, loss=1.0, bucket=0, steps_by_rung={"none": 1}))
+    assert main(["report", str(sink.path)]) == 0
+    out = capsys.readouterr().out
+    assert "host memory" not in out.lower() and "| none | 0 | 1 | 0.00 s |\n" in out + "\n"
+
+
+# -- after host memory ran out, the events and the error name the host's figures ----------------------------------
+
+
+def test_a_host_failure_is_described_by_the_host_memory_held_and_the_host_budget() -> None:
+    """Before: the OOM event gave the device's figures only, the give-up event none, and the error the budget but
+    not what the guard held on the host."""
+    budget = 65_600  # room for the whole batch's Tanh output (65,536 bytes), not for the model's output beside it
+    step, model, _ = sgd_guard(Plan(activation_offload=True), budget, relax_after=None)
+    with SimulatedGPU("4MiB", host_capacity=10**7) as gpu:
+        gpu.adopt(model)
+        with pytest.raises(HostMemoryError) as raised:
+            step(tuple_batch(n=64, seed=1))
+    oom, exhausted = (next(e for e in step.guard.events if e.kind == kind) for kind in ("oom", "exhausted"))
+    held = oom.error.memory.host_held  # type: ignore[attr-defined]  (at most, in the attempt that failed)
+    assert held == 64 * 256 * 4, "the saved Tanh output, copied before the next copy was refused"
+    figures = f"the guard held {format_bytes(held)} on the host, of its host budget of {format_bytes(budget)}"
+    assert f"(host memory (RAM) ran out: {figures}; device: " in oom.describe()
+    assert oom.to_dict()["error"]["host"] is True and oom.to_dict()["error"]["host_budget"] == budget
+    assert exhausted.describe().endswith(
+        f"giving up on this batch (host) after 1 OOM(s): host memory (RAM) ran out: {figures}"
+    )
+    assert (exhausted.to_dict()["host_held"], exhausted.to_dict()["host_budget"]) == (held, budget)
+    assert f"Host memory: {figures}; 0 B after freeing. Device memory in use after freeing: " in str(raised.value)
+
+
+def test_a_peer_ranks_host_failure_is_told_as_host_memory_between_a_device_oom_and_a_fatal_error() -> None:
+    """Before: a rank whose host memory ran out told the others "fatal", and they said it was no out-of-memory
+    error (the two-rank run is in test_distributed.py)."""
+    host_error = MemoryError("host memory exhausted. Tried to allocate 4.0 KiB of host memory")
+    assert failure_outcome(host_error, separate_host=True) == "host"
+    assert failure_outcome(host_error, separate_host=False) == "oom", "on a CPU-only run the host is the device"
+    assert failure_outcome(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), True) == "oom"
+    assert failure_outcome(ValueError("a bug"), True) == "fatal"
+    error = peer_failure("host", Phase.FORWARD)
+    assert isinstance(error, PeerFailure) and "another rank ran out of host memory (RAM) in the forward" in str(error)
+    assert "not an out-of-memory error" not in str(error)
+    assert OUTCOMES.index("oom") < OUTCOMES.index("host") < OUTCOMES.index("fatal"), "the worst of the ranks wins"

@@ -47,6 +47,35 @@ def test_each_term_of_the_model_moves_the_prediction_the_right_way() -> None:
     assert slow_link[4].predicted_seconds > layers and slow_link[0].predicted_seconds == pytest.approx(plain)
 
 
+def test_on_cuda_the_copies_down_beside_forward_and_backward_cost_only_what_the_compute_does_not_hide(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 27: the model added every copy to the compute, though activation offload's saved tensors and the
+    master level's gradients go down on the copy stream while forward and backward run on."""
+    plans = [Plan(activation_offload=True), Plan(precision="bf16", optimizer_offload="master")]
+    slow = DeviceSpeed(link_gbps=0.05)  # (a link slow enough that the copies outlast the compute)
+
+    def predicted(target: str) -> list[Any]:
+        with FakeTensorMode():
+            model = make_llama(layers=2, hidden=64)
+            return list(dry_run(
+                model_step(model), lm_batch(2, 32), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                capacity=2**40, target=target, label="llama", plans=plans, speed=slow,
+            ).candidates)  # fmt: skip
+
+    overlapped = predicted("cuda")
+    monkeypatch.setattr("oomguard._planner.engine._Probe.overlapped", lambda self, run, parts: 0)
+    added, simulated_added = predicted("cuda"), predicted("simulated")
+    for beside, summed in zip(overlapped, added, strict=True):
+        assert beside.transfer_bytes == summed.transfer_bytes, "the same copies"
+        assert beside.predicted_seconds < summed.predicted_seconds, f"{beside.plan}: nothing hidden"
+        saved = summed.predicted_seconds - beside.predicted_seconds
+        assert saved <= beside.transfer_bytes / (slow.link_gbps * 1e9), "no more hidden than was copied"
+    monkeypatch.undo()
+    simulated = predicted("simulated")  # (a memcpy on the same thread hides nothing)
+    assert [c.predicted_seconds for c in simulated] == [c.predicted_seconds for c in simulated_added]
+
+
 def test_the_recommendation_is_the_fastest_fitting_plan() -> None:
     report = candidates()
     fitting = [c for c in report.candidates if c.fits]

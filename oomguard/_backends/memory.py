@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from oomguard._backends.host import available_host_memory, host_in_use, pinned_empty
+from oomguard._backends.host import available_host_memory, host_in_use, host_peak, pinned_empty
 from oomguard._backends.units import format_bytes
 
 __all__ = [
@@ -34,7 +34,8 @@ __all__ = [
 @dataclass(frozen=True)
 class MemorySnapshot:
     """Device memory figures at one moment, in bytes (``capacity`` is ``None`` where unknown), and the host memory
-    the guard holds where the backend counts it (``host_allocated``; None elsewhere: CUDA does not count it)."""
+    the guard holds where the backend counts it (``host_allocated``, and ``host_peak``, the most since the peaks
+    were last reset, as ``peak`` is the device's; None elsewhere: CUDA does not count it)."""
 
     backend: str
     allocated: int
@@ -42,6 +43,13 @@ class MemorySnapshot:
     peak: int
     capacity: int | None
     host_allocated: int | None = None
+    host_peak: int | None = None
+
+    @property
+    def host_held(self) -> int | None:
+        """The most host memory the guard held since the peaks were reset (at an attempt's start: so after a failed
+        one, what it held when it failed, which it has let go of by now); None where it is not counted."""
+        return self.host_allocated if self.host_peak is None else max(self.host_peak, self.host_allocated or 0)
 
     @property
     def free(self) -> int | None:
@@ -131,6 +139,7 @@ def snapshot(backend: MemoryBackend) -> MemorySnapshot:
         peak=backend.max_memory_allocated(),
         capacity=backend.total_memory(),
         host_allocated=host_in_use(backend),
+        host_peak=host_peak(backend),
     )
 
 

@@ -1,7 +1,9 @@
 """``oomguard report LOG.jsonl``: what a run's event log says, as a table per rung and (optionally) a plot.
 
 The table has, for each rung: how many times it was engaged, how many steps ran with it in effect, and the time
-lost to the out-of-memory errors that led to it. ``--plot FILE.png`` draws peak device memory over steps (from
+lost to the out-of-memory errors that led to it; where the events count the host memory the guard holds
+(``memory.host_allocated``: a simulated host, not CUDA), the most of it any event names, in all and with each rung
+in effect. ``--plot FILE.png`` draws peak device memory over steps (from
 the progress events) with every fallback and every step back up marked; it needs matplotlib (``pip install
 oomguard[plot]``).
 """
@@ -75,19 +77,22 @@ def _event(raw: bytes) -> dict[str, Any] | str:
 
 def table(tally: Tally) -> str:
     """The Markdown table per rung, with a headline."""
+    host = tally.host_peak is not None  # (a column only where the events count the host: not on CUDA)
     lines = [
         f"{tally.logged} steps logged ({tally.runs} run(s)), {tally.ooms} out-of-memory error(s), "
         f"{tally.exhausted} batch(es) given up; stepped back up {tally.relax_held} time(s), {tally.relax_failed} "
         f"try(s) backed off; {sum(tally.seconds_lost.values()):.2f} s lost to OOMs.",
+        *([f"Host memory held by the guard: at most {format_bytes(tally.host_peak)} in the events logged."] * host),
         "",
-        "| rung | times engaged | steps on it | time lost to OOMs |",
-        "|---|---|---|---|",
+        "| rung | times engaged | steps on it | time lost to OOMs |" + " host memory held (most) |" * host,
+        "|---|---|---|---|" + "---|" * host,
     ]
     steps = tally.steps_by_rung
     for name in tally.rung_names():
+        held = tally.host_by_rung.get(name)
         lines.append(
             f"| {name} | {tally.engaged.get(name, 0)} | {steps.get(name, '-')} | "
-            f"{tally.seconds_lost.get(name, 0.0):.2f} s |"
+            f"{tally.seconds_lost.get(name, 0.0):.2f} s |" + f" {'-' if held is None else format_bytes(held)} |" * host
         )
     if not steps:
         lines.append("\n(no progress events in this log: steps per rung need the guard's log_every)")

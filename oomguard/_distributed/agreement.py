@@ -38,7 +38,7 @@ from oomguard._ladder.plan import Phase, Plan
 
 __all__ = ["Agreement", "Verdict", "ddp_of", "distributed_active", "quiet_ddp", "unwrap"]
 
-_OUTCOMES: tuple[Outcome, ...] = ("ok", "oom", "fatal")  # ordered: the worst is the largest
+_OUTCOMES: tuple[Outcome, ...] = ("ok", "oom", "host", "fatal")  # ordered: the worst is the largest
 # A failure's phase as a number: the deepest any rank reached wins the MAX, and every rank escalates from it.
 _PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.APPLY)
 _PHASE_CODE = {Phase.SPLIT: 0, Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.CLIP: 2, Phase.OPTIMIZER: 2, Phase.APPLY: 3}

@@ -2,7 +2,8 @@
 
 It goes through the memory backend's copy primitives only (``to_host``, ``to_device``), so the same code runs on
 CUDA (pinned host memory, non-blocking copies) and on the simulated device of :mod:`oomguard._backends` (where a
-host copy leaves the accounting and a device copy enters it).
+host copy leaves the accounting and a device copy enters it). Each copy keeps the guard's host budget as it is made,
+and is counted (:mod:`oomguard._effects.activation_host`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from oomguard._backends.memory import MemoryBackend
+from oomguard._effects.activation_host import ActivationLedger
 from oomguard._effects.base import Effect, Packer
 from oomguard._ladder.plan import Plan
 
@@ -62,9 +64,14 @@ class ActivationOffloader:
     breaks, so after a forward that fails it would never be freed.
     """
 
-    def __init__(self, backend: MemoryBackend, keep: Callable[[torch.UntypedStorage], bool]) -> None:
+    def __init__(
+        self, backend: MemoryBackend, keep: Callable[[torch.UntypedStorage], bool], ledger: ActivationLedger, plan: Plan
+    ) -> None:
         self.backend = backend
         self.keep = keep  # storages that must stay on the device (parameters)
+        # Where the host budget is kept as each copy is made, and the copies counted (see activation_host); the plan,
+        # whose other offloading the budget's check counts where the backend does not count the host.
+        self.ledger, self.plan = ledger, plan
         self._copies: dict[int, tuple[weakref.ref[torch.UntypedStorage], _HostCopy]] = {}
 
     def pack(self, tensor: torch.Tensor) -> Any:
@@ -79,7 +86,10 @@ class ActivationOffloader:
             whole = _whole_storage(tensor)
             if whole is None:
                 return tensor
+            nbytes = whole.untyped_storage().nbytes()
+            self.ledger.reserve(nbytes, self.plan, self.backend)  # (refused before the copy, past the host budget)
             copy = _HostCopy(self.backend.to_host(whole))
+            self.ledger.add(copy, nbytes)  # (counted until the graph that saved it lets it go)
             known = (weakref.ref(storage), copy)
             self._copies[id(storage)] = known
         return _Packed(
@@ -111,4 +121,7 @@ class ActivationOffloadEffect(Effect):
             return None
         # Parameters stay on the device, and so do streamed weights (whose storage is refilled only later).
         keep = {id(p.untyped_storage()) for p in self.target.model.parameters()} | self.target.streamed
-        return ActivationOffloader(backend, lambda storage: id(storage) in keep)
+        return ActivationOffloader(backend, lambda storage: id(storage) in keep, self.target.activation_host, plan)
+
+    def reset(self) -> None:
+        self.target.activation_host.failed()  # (a forward cut short measures nothing)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from oomguard._backends.memory import MemoryBackend, active_simulation, current_backend
+from oomguard._effects.activation_host import ActivationLedger
 from oomguard._ladder.plan import Plan
 
 __all__ = ["Effect", "EffectTarget", "Packer"]
@@ -35,6 +36,9 @@ class EffectTarget:
     #: Identities of the device storages of streamed (offloaded) weights, kept by the layer-offload effect:
     #: autocast must not cache copies of them, and activation offload must leave them on the device.
     streamed: set[int] = field(default_factory=set)
+    #: What activation offload's saved tensors hold on the host, and the host budget their copies keep (the guard
+    #: sets it; its per-sample figure is what the activation-offload rung estimates from).
+    activation_host: ActivationLedger = field(default_factory=ActivationLedger)
     #: Where the model trains, read once: layer offload later points parameters at host copies.
     device: torch.device = field(init=False)
     device_type: str = field(init=False)  # ("cuda", "cpu"...)

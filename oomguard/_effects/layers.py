@@ -247,10 +247,13 @@ class LayerOffloader:
             item = by_param[id(param)]
             grad = param.grad
             if grad is not None:
-                host = self.backend.to_host(grad)
-                self.backend.synchronize()  # the host add below reads it
-                item.grad = host if item.grad is None else item.grad.add_(host)
-                param.grad = None  # free the device gradient now
+                if item.grad is None:  # (the first: nothing reads it before attach_grads, which waits for it)
+                    item.grad = self.backend.to_host(grad)
+                else:
+                    host = self.backend.to_host(grad)
+                    self.backend.synchronize()  # the host add below reads it (and every copy before it)
+                    item.grad.add_(host)
+                param.grad = None  # free the device gradient now (its memory lives until the copy has read it)
             if block.pending is None:
                 return  # (released when the gradient of the block's input is complete)
             block.pending -= 1
@@ -261,7 +264,9 @@ class LayerOffloader:
 
     # -- around the optimizer step --------------------------------------------------------------------
     def attach_grads(self) -> None:
-        """After the last backward: release every block and hand the host gradients to the parameters."""
+        """After the last backward: release every block and hand the host gradients to the parameters (their
+        copies complete: the step reads them on the host)."""
+        self.backend.synchronize()
         for block in self.blocks:
             self._release(block)
             for item in block.params:

@@ -3,12 +3,12 @@
 Each trainable fp32 parameter on the device becomes a bf16 copy of its fp32 master, kept on the host: weights take
 half the device memory, and the user's optimizer steps the masters there (:mod:`oomguard._effects.optimizer`).
 
-Gradients come out of each micro-batch's backward in bf16; they go down at once and are summed in fp32 on the
-host, so the device holds no gradient between micro-batches and no sum loses precision (summed in bf16, 256
-micro-batches of one sample landed an SGD step 6.8 times amp's distance from fp32). From the last backward to the
-end of the optimizer step each halved parameter *is* its master on the host, its gradient the fp32 sum, so that
-clipping (the guard's or a Trainer's) and the step see fp32; the stepped masters go up rounded to bf16 (2 bytes a
-parameter up, 2 down per micro-batch). A failed attempt drops its sums.
+Each bf16 gradient goes down as backward finishes it and is summed in fp32 on the host (:mod:`.descent`): the
+device never holds them all, no sum loses precision (summed in bf16, 256 micro-batches of one sample landed an SGD
+step 6.8 times amp's distance from fp32). From the last backward to the end of the optimizer step each halved
+parameter *is* its master on the host, its gradient the fp32 sum, so that clipping (the guard's or a Trainer's) and
+the step see fp32; the stepped masters go up rounded to bf16 (2 bytes a parameter up, 2 down per micro-batch). A
+failed attempt drops its sums.
 
 Between steps the device copy is the truth: a write to it that bypasses the parameter's version counter
 (``p.data.clamp_()``, ``p.data.copy_(ema)``, ``p.data = ...``, ``vector_to_parameters``) is found by a
@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._effects.base import EffectTarget
+from oomguard._effects.descent import Descent
 from oomguard._effects.fingerprint import Fingerprints
 from oomguard._effects.hooks import GuardHook, aside, released
 
@@ -103,6 +104,7 @@ class MasterWeights:
         self._swapped = False  # whether each parameter is its master (from the last backward to the step's end)
         self._hooks: list[RemovableHandle] = []
         self._loaded: list[_Weight] = []  # the weights a model's load_state_dict() under way writes
+        self._descent = Descent()  # the gradients on their way down in this backward
         self._autocast = threading.local()  # per thread: the autocast contexts the forward hooks entered
 
     def __contains__(self, param: object) -> bool:
@@ -141,6 +143,8 @@ class MasterWeights:
         self._prints.record_host(self._images())
         if not self._hooks:
             self._hook()
+        for param in params:  # (the parameter stays while its data is halved: one hook each, removed by restore)
+            self._hooks.append(param.register_post_accumulate_grad_hook(GuardHook(self._grad_ready)))  # type: ignore
         return True
 
     def restore(self, backend: MemoryBackend) -> None:
@@ -165,6 +169,7 @@ class MasterWeights:
         Trainer's replay), no gradient summed, and no autocast left entered by a forward that was interrupted."""
         self._back_to_device()
         self._prints.release()
+        self._descent.drop()  # (a failed attempt's gradients are dropped, summed or not)
         for weight in self._weights.values():
             weight.summed = False
         contexts = getattr(self._autocast, "entered", [])
@@ -173,27 +178,21 @@ class MasterWeights:
             if context is not None:
                 context.__exit__(None, None, None)
 
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        """Backward has accumulated ``param``'s gradient (a halved one): on its way down, the device copy let go."""
+        weight, backend = self._weights.get(param), self._backend  # type: ignore[call-overload]
+        if weight is None or backend is None or self._swapped or param.grad is None:
+            return  # (not halved, not engaged, or lent as its master: the step's gradient stays)
+        self._descent.send(weight, param.grad, backend)
+        param.grad = None  # (the device memory lives until the copy has read it)
+
     def after_micro_batch(self) -> None:
-        """Each halved weight's gradient of this micro-batch: down to the host, added to its fp32 sum there."""
-        backend = self._backend
-        if backend is None or self._swapped:
-            return
-        moving = []
+        """Each halved weight's gradient of this micro-batch added to its fp32 sum on the host (sent down first
+        where backward has not: one set outside backward)."""
         for weight in self._weights.values():
-            if weight.param.grad is not None:
-                weight.staging = backend.to_host(weight.param.grad, weight.staging)
-                weight.param.grad = None  # (the device memory lives until the copy has read it)
-                moving.append((weight, weight.staging))
-        if moving:
-            backend.synchronize()  # the copies are complete before the host reads them
-        for weight, grad in moving:
-            if weight.grad is None or weight.grad.shape != weight.master.shape:
-                weight.grad = torch.empty_like(weight.master)  # (on the host: made from one)
-            if weight.summed:
-                weight.grad.add_(grad)  # (bf16 into fp32)
-            else:
-                weight.grad.copy_(grad)
-            weight.summed = True
+            self._grad_ready(weight.param)
+        if self._backend is not None and not self._swapped:
+            self._descent.land(self._backend)
 
     def lend_masters(self) -> None:
         """Clipping and the optimizer step see each halved parameter as its fp32 master on the host, with its

@@ -37,8 +37,8 @@ import torch
 from oomguard._backends.host import host_in_use, host_peak
 from oomguard._backends.memory import MemoryBackend
 from oomguard._backends.units import format_bytes
-from oomguard._detect import is_device_oom, is_oom
-from oomguard._distributed.peers import Agree, peer_failure
+from oomguard._detect import is_oom
+from oomguard._distributed.peers import Agree, failure_outcome, peer_failure
 from oomguard._effects.interrupts import run_whole
 from oomguard._errors import StepRollbackError
 from oomguard._events import logger
@@ -159,9 +159,9 @@ class OptimizerTransaction:
         If anything raises, the optimizer and scheduler are put back as they were and the error re-raised; a
         failed attempt's ``scaler`` is simply discarded by its owner. Under distributed training ``agree``
         tells the other ranks how the step went and returns the worst outcome of all ranks (``"ok"``,
-        ``"oom"`` or ``"fatal"``); if another rank failed, this rank's step is undone too. ``allow_fast=False``
-        forces the journal (some rank may need to undo). ``run`` replaces the step itself (an integration that
-        steps through its own wrapper, such as Accelerate's optimizer).
+        ``"oom"``, ``"host"`` or ``"fatal"``); if another rank failed, this rank's step is undone too.
+        ``allow_fast=False`` forces the journal (some rank may need to undo). ``run`` replaces the step itself (an
+        integration that steps through its own wrapper, such as Accelerate's optimizer).
         """
         if self.broken is not None:
             raise StepRollbackError(self.broken)
@@ -268,7 +268,7 @@ class OptimizerTransaction:
         except BaseException as exc:
             undo()
             if agree is not None and isinstance(exc, Exception):
-                agree("oom" if is_device_oom(exc, separate_host=backend.offloads) else "fatal")  # (host: all stop)
+                agree(failure_outcome(exc, backend.offloads))  # (host memory: all stop, and say so)
             raise
         outcome = agree("ok") if agree is not None else "ok"
         if outcome != "ok":

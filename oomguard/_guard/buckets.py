@@ -58,6 +58,9 @@ class Choice:
     fallback: Plan | None = None  # the bucket's plan, to return to if the try at ``plan`` fails
     given_back: str | None = None  # the rung that try gives back
     trial: bool = False  # ``plan`` is timed against the bucket's (tuning), not a try at stepping back up
+    #: A try at stepping back up that was due but not made, the host having no room for it: the rung it would
+    #: have given back, the plan, and that plan's host bytes (the rungs' estimate).
+    held_back: tuple[str, Plan, int] | None = None
 
     @property
     def relaxing(self) -> bool:
@@ -155,8 +158,15 @@ class Buckets:
             logger.exception("oomguard: the state-file callback %r failed", self.on_save)
 
     # -- choosing -------------------------------------------------------------------------------------
-    def choose(self, bucket: int, size: int, backend: MemoryBackend, per_sample: float) -> Choice:
-        """The plan for a call on a batch of ``size`` samples (``per_sample`` items each) in ``bucket``."""
+    def choose(
+        self, bucket: int, size: int, backend: MemoryBackend, per_sample: float, context: RungContext | None = None
+    ) -> Choice:
+        """The plan for a call on a batch of ``size`` samples (``per_sample`` items each) in ``bucket``.
+
+        A step back up that ``context`` (the guard's, with its host budget) says keeps more on the host than the
+        budget is not tried (:meth:`Ladder.past_host`, the walk's own test): relaxing can add host memory (larger
+        micro-batches under activation offload save more on the host). The bucket keeps its plan and waits twice
+        as long, as after a try that failed; the choice says what was held back (``held_back``)."""
 
         def sizing(plan: Plan) -> int | None:  # the largest micro-batch predicted for plan's configuration
             return self.predict(plan, backend, per_sample)
@@ -171,6 +181,9 @@ class Buckets:
             return Choice(bucket, state.plan)
         rung, lighter = relaxed
         lighter = self._sized(lighter, size, sizing, grow=True)
+        if context is not None and self.ladder.past_host(lighter, context):
+            state.clean, state.wait = 0, max(1, 2 * state.wait)  # (not every call: a later estimate may differ)
+            return Choice(bucket, state.plan, held_back=(rung.name, lighter, self.ladder.host_bytes(lighter, context)))
         return Choice(bucket, lighter, fallback=state.plan, given_back=rung.name)
 
     def _starting_plan(self, bucket: int, size: int, sizing: Callable[[Plan], int | None]) -> Plan:

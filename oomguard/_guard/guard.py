@@ -31,7 +31,7 @@ from oomguard._guard.foresight import Foresight
 from oomguard._guard.loop import Loop
 from oomguard._guard.persist import UNSAVED_ADVICE, PlanStore, model_fingerprint
 from oomguard._guard.policies import Escalation, FailedStepUp, FailedTrial, Jump, Policy, Walk
-from oomguard._guard.recovery import Bounds, relax_event
+from oomguard._guard.recovery import Bounds, held_back_event, relax_event
 from oomguard._guard.results import GuardSummary, StepResult
 from oomguard._guard.tally import Tally
 from oomguard._ladder.plan import Phase, Plan
@@ -92,7 +92,7 @@ class OOMGuard:
         bounds = Bounds(self.options.max_attempts, self.options.max_recovery_seconds)
         self._tally = Tally()
         self._emit = Emitter([self._tally, *self.options.sinks])  # (shared with the loop: neither holds the other)
-        self._escalation = Escalation(self._buckets, self._context)
+        self._escalation = Escalation(self._buckets, self._context, self.effects.target.activation_host)
         policies: list[Policy] = [
             FailedTrial(self._foresight),
             FailedStepUp(self._buckets, self._emit),
@@ -110,7 +110,7 @@ class OOMGuard:
             fix_fragmentation=self.options.fix_fragmentation,
             rungs=", ".join(self.ladder.names),
         )
-        self._loop.host_refused = walk.host_refused
+        self._loop.host_refused, self._loop.host_estimate = walk.host_refused, self._escalation.host_bytes
         self._started = False
         self._host_budget: int | None = None  # resolved at the first call (see host_budget)
         self._busy = OneCallAtATime()
@@ -234,8 +234,12 @@ class OOMGuard:
         backend = current_backend(self._device)
         self._start(backend, batch, size)
         per_sample = items_per_sample(batch, size)
-        choice = self._buckets.choose(self.options.bucket(batch), size, backend, per_sample)
         agreement = self._runner.agreement
+        context = self._escalation.context(backend, size, agreement is not None)  # (with the host budget)
+        choice = self._buckets.choose(self.options.bucket(batch), size, backend, per_sample, context)
+        if choice.held_back is not None:  # a step back up the host has no room for: not tried, and said
+            wait = self._buckets.next_try_after(choice.bucket)
+            self._emit(held_back_event(self.steps, choice, size, backend, self._host_budget, wait))
         if agreement is not None:  # every rank starts the call on the same plan
             agreed = agreement.plan(choice.plan, size, self.ladder)
             if agreed != choice.plan:
@@ -267,9 +271,12 @@ class OOMGuard:
 
     # -- success ----------------------------------------------------------------------------------------
     def _learn(self, call: Call, output: AttemptOutput) -> None:
-        """The peak model learns what the attempt of ``call`` that worked cost."""
+        """The peak model learns what the attempt of ``call`` that worked cost, and so does the activation-offload
+        rung's host estimate (what its saved tensors took per sample)."""
         items = round(output.micro_batch_size * call.items_per_sample)
         self._buckets.learn_success(call.plan, items, output.peak - output.base, call.backend)
+        if call.plan.activation_offload:
+            self.effects.target.activation_host.measured(output.micro_batch_size)
 
     def _result(self, call: Call, output: AttemptOutput) -> StepResult:
         plan = call.plan
@@ -334,6 +341,9 @@ class OOMGuard:
         # The walk leaves plans the host has no room for; the journal is skipped where its copies would not fit.
         self._escalation.model = dataclasses.replace(self._escalation.model, host_budget=self._host_budget)
         self._runner.transaction.host_budget = self._host_budget
+        # Activation offload keeps the budget as it copies, beside what the rest of a plan keeps (see activation_host).
+        ledger = self.effects.target.activation_host
+        ledger.budget, ledger.others = self._host_budget, self._escalation.host_besides_activations
         if distributed_active():
             self._runner.agreement = Agreement(self._device, self.ladder)
         rank = 0 if self._runner.agreement is None else self._runner.agreement.rank

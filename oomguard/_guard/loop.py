@@ -86,6 +86,9 @@ class Loop:
         self.host_budget: int | None = None  # the guard's host budget, named when host memory runs out
         #: What the host budget kept the walk from, where it did (see :meth:`~.policies.Walk.host_refused`).
         self.host_refused: Callable[[Call, Failure, bool], str | None] = lambda call, failure, distributed: None
+        #: The rungs' estimate of what a plan keeps on the host, on a batch of a size: what a host failure names
+        #: where the backend does not count the host (CUDA).
+        self.host_estimate: Callable[[Plan, int], int] = lambda plan, size: 0
 
     # -- the record of a call ---------------------------------------------------------------------------
     @staticmethod
@@ -139,9 +142,13 @@ class Loop:
         error = failed.error
         if isinstance(error, OOMGuardError) or not is_oom(error):  # ours may wrap an OOM: never retry them
             raise error
-        summary = FailureSummary.from_exception(error, failed.phase, failed.micro_batch, snapshot(call.backend))
         # Host memory (RAM) where the device is not the host: the ladder cannot relieve it (see _next_plan).
         host = call.backend.offloads and is_host_oom(error)
+        budget = self.host_budget if host else None  # (what a host failure is measured against)
+        memory = snapshot(call.backend)
+        summary = FailureSummary.from_exception(
+            error, failed.phase, failed.micro_batch, memory, host=host, host_budget=budget
+        )
         repeated = bool(call.tried) and call.tried[-1][1].same_error(summary)
         if repeated and not host and not names_an_allocator(error) and agreement is None:
             raise error  # the same words again on a plan with less memory, and no allocator said them: not memory
@@ -169,7 +176,11 @@ class Loop:
     def _next_plan(self, call: Call, failure: Failure, agreement: Agreement | None, freed: MemorySnapshot) -> Plan:
         """The plan the first policy that answers gives; gives up (raises) when none does (the ladder has nothing
         left) or a bound on attempts or time is reached. After host memory ran out, only a plan that worked before
-        (a failed trial's or step up's) is tried: the next rungs would offload more to the host."""
+        (a failed trial's or step up's) is tried: the next rungs would offload more to the host. Under distributed
+        training not even that: the other ranks were told of a host failure and stopped (PeerFailure), so this rank
+        gives up too, before an agreement on the bounds that they would never join."""
+        if failure.host and agreement is not None:
+            self._give_up(call, "host", failure.error)
         bound = self._bound_reached(call, agreement)
         move: Move | None = None
         for policy in self.policies:
@@ -208,7 +219,13 @@ class Loop:
         unrestored = self.effects.undo()
         memory = snapshot(call.backend)
         plans = tuple(plan.to_dict() for plan, _ in call.tried)
-        self.emit(ExhaustedEvent(call.step, call.plan.to_dict(), memory, reason, len(call.tried), plans))
+        held, estimated = self._host_held(call) if reason == "host" else (None, False)
+        budget = self.host_budget if reason == "host" else None
+        self.emit(
+            ExhaustedEvent(
+                call.step, call.plan.to_dict(), memory, reason, len(call.tried), plans, held, budget, estimated
+            )
+        )
         message = give_up_message(
             call,
             reason,
@@ -219,9 +236,19 @@ class Loop:
             unrestored=unrestored,
             host_budget=self.host_budget,
             host_refused=host_refused,
+            host_held=held,
+            host_estimated=estimated,
         )
         error = {"ladder": LadderExhausted, "host": HostMemoryError}.get(reason, RecoveryLimitExceeded)
         raise error(message, step=call.step, tried=tuple(call.tried), memory=memory) from cause
+
+    def _host_held(self, call: Call) -> tuple[int | None, bool]:
+        """The host memory the guard held at the last failure of ``call``: counted where the backend counts it,
+        else the rungs' estimate of the failing plan (and True: it is an estimate)."""
+        plan, last = call.tried[-1]
+        if last.memory.host_held is not None:
+            return last.memory.host_held, False
+        return self.host_estimate(plan, call.size), True
 
     def recovered(self, call: Call, plan: Plan) -> None:
         """The step of ``call`` succeeded after its out-of-memory errors: an event says on which plan."""

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Protocol
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._backends.units import format_bytes
+from oomguard._effects.activation_host import ActivationLedger
 from oomguard._events import Event
 from oomguard._guard.buckets import Buckets
 from oomguard._guard.call import Call
@@ -100,16 +101,41 @@ class Jump:
 @dataclass
 class Escalation:
     """What the rungs may assume: the model's context (``model``: the guard gives it its host budget at the first
-    call), and the figures of a batch or a failure."""
+    call), what the run has measured so far (``activations``: activation offload's host bytes per sample, the
+    fact ``activation_host_per_sample``), and the figures of a batch or a failure."""
 
     buckets: Buckets
     model: RungContext
+    activations: ActivationLedger | None = None
 
     def context(self, backend: MemoryBackend, size: int, distributed: bool, **figures: Any) -> RungContext:
-        """What the rungs may assume on a batch of ``size`` on ``backend``: the model's context, and ``figures``."""
+        """What the rungs may assume on a batch of ``size`` on ``backend``: the model's context, what was measured,
+        and ``figures``."""
         return dataclasses.replace(
-            self.model, batch_size=size, can_offload=backend.offloads, distributed=distributed, **figures
+            self.model,
+            batch_size=size,
+            can_offload=backend.offloads,
+            distributed=distributed,
+            facts=self._facts(),
+            **figures,
         )
+
+    def _facts(self) -> dict[str, Any]:
+        """The model's facts, and what the run measured (read now: each step on activation offload measures it
+        afresh)."""
+        measured = {} if self.activations is None else {"activation_host_per_sample": self.activations.per_sample}
+        return {**self.model.facts, **measured}
+
+    def host_bytes(self, plan: Plan, size: int) -> int:
+        """What ``plan`` keeps on the host on a batch of ``size``, by the rungs' estimate (what a host failure
+        names where the backend does not count the host)."""
+        context = dataclasses.replace(self.model, batch_size=size, facts=self._facts())
+        return self.buckets.ladder.host_bytes(plan, context)
+
+    def host_besides_activations(self, plan: Plan) -> int:
+        """What ``plan`` keeps on the host besides activation offload's saved tensors, by the rungs' estimate (what
+        that effect's check adds its copies to where the backend does not count the host)."""
+        return self.buckets.ladder.host_bytes(plan.replace(activation_offload=False), self.model)
 
     def __call__(self, call: Call, failure: Failure, distributed: bool) -> RungContext:
         """What the rungs may assume when ``call`` escalates from ``failure``. Under distributed training every rank

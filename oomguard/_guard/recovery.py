@@ -15,7 +15,8 @@ from oomguard._backends.memory import MemoryBackend, MemorySnapshot, snapshot
 from oomguard._backends.telemetry import apply_expandable_segments
 from oomguard._backends.units import format_bytes
 from oomguard._detect import is_oom
-from oomguard._events import FailureSummary, RelaxEvent
+from oomguard._events import FailureSummary, RelaxEvent, host_figures
+from oomguard._guard.buckets import Choice
 from oomguard._guard.call import Call
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._step.runner import StepRunner
@@ -27,6 +28,7 @@ __all__ = [
     "device_telemetry",
     "free_failed_attempt",
     "give_up_message",
+    "held_back_event",
     "relax_event",
     "released",
 ]
@@ -159,13 +161,17 @@ def give_up_message(
     unrestored: str | None = None,
     host_budget: int | None = None,
     host_refused: str | None = None,
+    host_held: int | None = None,
+    host_estimated: bool = False,
 ) -> str:
     """Why the guard gave up on ``call`` (``reason``: "ladder", "attempts", "time" or "host"), what it tried, the
     fix; ``unrestored`` says what of the model could not be put back, if anything; ``host_budget``, the guard's;
-    ``host_refused``: the plans the ladder left because the host has no room for them (see ``Walk.host_refused``)."""
+    ``host_refused``: the plans the ladder left because the host has no room for them (see ``Walk.host_refused``);
+    ``host_held``, after a host failure: what the guard held on the host then (``host_estimated``: by the rungs)."""
     last = call.tried[-1][1]
     if reason == "host":
-        return _host_message(call, step, memory, rungs, unrestored, host_budget)
+        host = host_figures(host_held, host_budget, host_estimated)
+        return _host_message(call, step, memory, rungs, unrestored, host)
     headline = {
         "ladder": "every plan on the ladder ran out of memory",
         "attempts": f"the bound of {bounds.max_attempts} attempts was reached",
@@ -201,17 +207,16 @@ def _state(unrestored: str | None) -> str:
     return f"the optimizer and scheduler are unchanged, but {unrestored}"
 
 
-def _host_message(
-    call: Call, step: int, memory: MemorySnapshot, rungs: str, unrestored: str | None, host_budget: int | None
-) -> str:
-    """Why the guard gave up when host memory ran out: where, on which plan, what the host said, the fix."""
+def _host_message(call: Call, step: int, memory: MemorySnapshot, rungs: str, unrestored: str | None, host: str) -> str:
+    """Why the guard gave up when host memory ran out: where, on which plan, what the host said, what the guard
+    held there and its budget (``host``), the fix."""
     plan, last = call.tried[-1]
-    budget = "unknown" if host_budget is None else format_bytes(host_budget)
+    after = "" if memory.host_allocated is None else f"; {format_bytes(memory.host_allocated)} after freeing"
     return (
         f"oomguard gave up on step {step} (a batch of {call.size} sample(s)): host memory (RAM) ran out "
         f"({last.describe()}) on the plan {plan.describe(call.size)}, not the device's memory, so the guard did not "
         f"move down the ladder (its next rungs offload more to the host); {_state(unrestored)}.\n"
-        f"Host: {last.error_type}: {last.message}\nHost budget: {budget}; device memory in use after freeing: "
+        f"Host: {last.error_type}: {last.message}\nHost memory: {host}{after}. Device memory in use after freeing: "
         f"{format_bytes(memory.allocated)}.\nWhat you can do: give the job more host RAM, or set host_memory= to "
         f"what it may really use; put quantized_optimizer on the ladder (8-bit optimizer state: about a quarter "
         f"of Adam's host bytes) before optimizer_offload, offload fewer layers, prefer checkpointing to "
@@ -234,4 +239,28 @@ def relax_event(call: Call, outcome: str, next_try_after: int) -> RelaxEvent:
         outcome=outcome,
         next_try_after=next_try_after,
         description=f"{choice.fallback.describe(call.size)} -> {choice.plan.describe(call.size)}",
+    )
+
+
+def held_back_event(
+    step: int, choice: Choice, size: int, backend: MemoryBackend, budget: int | None, wait: int
+) -> RelaxEvent:
+    """The event of a step back up that was due and not tried, its plan past the host budget (``choice.held_back``:
+    the rung, the plan, its host bytes); the call ran on ``choice.plan``, and the next try waits ``wait`` steps."""
+    if choice.held_back is None:
+        raise ValueError("a held-back relax event needs the choice of a step back up the host had no room for")
+    rung, plan, needs = choice.held_back
+    limit = "unknown" if budget is None else format_bytes(budget)
+    return RelaxEvent(
+        step=step,
+        plan=plan.to_dict(),
+        memory=snapshot(backend),
+        rung=rung,
+        previous_plan=choice.plan.to_dict(),
+        outcome="host",
+        next_try_after=wait,
+        description=(
+            f"{choice.plan.describe(size)} -> {plan.describe(size)}: it keeps about {format_bytes(needs)} on the "
+            f"host, past the guard's host budget of {limit}"
+        ),
     )

@@ -27,6 +27,9 @@ __all__ = ["Tally", "event_problem"]
 
 #: The memory figures ``oomguard report --plot`` draws from every progress event.
 _DRAWN = ("peak", "allocated")
+#: The host figures the report reads (the host memory the guard held after an event, and the most since the peaks
+#: were reset: over the step, for a progress event).
+_HOST = ("host_allocated", "host_peak")
 
 
 def event_problem(event: Mapping[str, Any]) -> str | None:
@@ -46,7 +49,7 @@ def event_problem(event: Mapping[str, Any]) -> str | None:
     if memory is not None and not isinstance(memory, Mapping):
         return "memory not an object"
     figures = dict(memory or {})  # the figures read (the drawn ones, and the capacity): byte counts or null
-    if not all(figures.get(name) is None or _count(figures[name]) for name in (*_DRAWN, "capacity")):
+    if not all(figures.get(name) is None or _count(figures[name]) for name in (*_DRAWN, "capacity", *_HOST)):
         return "memory figures not byte counts"
     if "seconds" in event and not _seconds(event["seconds"]):
         return "seconds not a number"
@@ -62,6 +65,21 @@ def event_problem(event: Mapping[str, Any]) -> str | None:
         if not isinstance(steps, Mapping) or not all(_name(k) and _count(v) for k, v in steps.items()):
             return "steps_by_rung not a mapping of ints"
     return None
+
+
+def _engaged(plan: object) -> tuple[str, ...]:
+    """The rungs in effect in an event's plan (``("none",)`` for a plain one); none where it is not a plan (a log
+    from another version, a hand edit: the host figure then counts toward the peak only). A micro-batch size
+    counts as split: the event does not say the batch's size."""
+    if not isinstance(plan, Mapping):
+        return ()
+    try:
+        return Plan.from_dict(plan).rungs(_ANY_BATCH) or ("none",)
+    except (TypeError, ValueError):
+        return ()
+
+
+_ANY_BATCH = 2**62  # (larger than any micro-batch: a plan with one is split)
 
 
 def _count(value: object) -> bool:
@@ -98,6 +116,11 @@ class Tally:
     #: Seconds lost to out-of-memory errors, by what they led to (a rung, or one of the two cases in brackets).
     seconds_lost: dict[str, float] = field(default_factory=dict)
     capacity: int | None = None
+    #: The most host memory the guard held that any event names (``memory.host_allocated`` or ``host_peak``, where
+    #: the backend counts it); None when no event names it (CUDA).
+    host_peak: int | None = None
+    #: The same, per rung in effect in the event's plan (``"none"``: a plain plan).
+    host_by_rung: dict[str, int] = field(default_factory=dict)
     _pending: list[float] = field(default_factory=list)  # seconds of OOMs whose consequence is yet to come
     _run_steps: Counter[str] = field(default_factory=Counter)  # steps per rung in this run
     _earlier_steps: Counter[str] = field(default_factory=Counter)  # ... in the runs before it
@@ -134,6 +157,7 @@ class Tally:
         self._last_step = step
         self.logged = max(self.logged, self._offset + step + 1)
         self.capacity = (event.get("memory") or {}).get("capacity", self.capacity)
+        self._count_host(event)
         kind = event.get("event")
         if kind == "oom":
             self.ooms += 1
@@ -155,6 +179,17 @@ class Tally:
         elif kind == "progress":  # the run's own count so far (a guard's equals what it counted itself)
             self._run_steps = Counter(event.get("steps_by_rung", {}))
         return self._offset + step
+
+    def _count_host(self, event: Mapping[str, Any]) -> None:
+        """The host memory ``event`` names, counted toward the peak and toward each rung its plan has in effect."""
+        memory = event.get("memory") or {}
+        figures = [memory.get(name) for name in _HOST]
+        if all(figure is None for figure in figures):
+            return
+        held = max(figure or 0 for figure in figures)
+        self.host_peak = max(self.host_peak or 0, held)
+        for name in _engaged(event.get("plan")):
+            self.host_by_rung[name] = max(self.host_by_rung.get(name, 0), held)
 
     def _lost(self, cause: str) -> None:
         self.seconds_lost[cause] = self.seconds_lost.get(cause, 0.0) + sum(self._pending)

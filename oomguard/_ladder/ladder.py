@@ -52,7 +52,7 @@ class Ladder:
         (:meth:`host_refusals`)."""
         options = []
         for rung, smaller in self._escalations(plan, context):
-            if rung.name not in skip and not self._past_host(smaller, context):
+            if rung.name not in skip and not self.past_host(smaller, context):
                 options.append((rung, smaller))
         if not options:
             return None
@@ -71,7 +71,9 @@ class Ladder:
         """The host memory ``plan``'s effects keep, as the rungs estimate it (:meth:`Rung.host_bytes`)."""
         return sum(rung.host_bytes(plan, context) for rung in self.known)
 
-    def _past_host(self, plan: Plan, context: RungContext) -> bool:
+    def past_host(self, plan: Plan, context: RungContext) -> bool:
+        """Whether ``plan`` keeps more on the host than ``context.host_budget`` (by :meth:`host_bytes`): the walk
+        passes such a plan over, and stepping back up does not try it."""
         return context.host_budget is not None and self.host_bytes(plan, context) > context.host_budget
 
     def host_refusals(self, plan: Plan, context: RungContext) -> list[tuple[Rung, Plan, int]]:
@@ -80,7 +82,7 @@ class Ladder:
         return [
             (rung, smaller, self.host_bytes(smaller, context))
             for rung, smaller in self._escalations(plan, context)
-            if self._past_host(smaller, context)
+            if self.past_host(smaller, context)
         ]
 
     def relax(self, plan: Plan, batch_size: int) -> tuple[Rung, Plan] | None:
@@ -130,7 +132,7 @@ class Ladder:
                 )
         known = {rung.name for rung in self.known}
         reasons += [f"{name} is not on this guard's ladder" for name, _ in plan.extras if name not in known]
-        if self._past_host(plan, context):  # (a job on a machine with more host memory remembered it)
+        if self.past_host(plan, context):  # (a job on a machine with more host memory remembered it)
             needs, budget = self.host_bytes(plan, context), context.host_budget or 0
             reasons.append(
                 f"it keeps about {needs / 2**30:.2f} GiB on the host, past this guard's host budget of "

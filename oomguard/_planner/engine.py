@@ -56,6 +56,7 @@ class _Probe(AccountedDevice):
         super().__init__(_UNLIMITED, name="planner", on_allocate=self._note)
         self.budget = budget
         self.per_micro_batch = self.per_step = 0  # host<->device bytes of the step measured now
+        self.beside = 0  # of ``per_micro_batch``: device-to-host copies a side stream runs beside the compute
         self.crossed: Phase | None = None
         self.phase_peaks: dict[Phase, int] = {}
         self._phase_of = phase
@@ -64,7 +65,7 @@ class _Probe(AccountedDevice):
         """Measure a new step from here; returns what is resident now."""
         self.reset_peak_memory_stats()
         self.crossed, self.phase_peaks = None, {}
-        self.per_micro_batch = self.per_step = 0
+        self.per_micro_batch = self.per_step = self.beside = 0
         return self.memory_allocated()
 
     def transfers(self, micro_batches_run: int, micro_batches: int) -> int:
@@ -72,7 +73,14 @@ class _Probe(AccountedDevice):
         the forward and backward copied is per micro-batch, the rest (the optimizer's journal) per step."""
         return self.per_micro_batch * micro_batches // micro_batches_run + self.per_step
 
+    def overlapped(self, micro_batches_run: int, micro_batches: int) -> int:
+        """Of :meth:`transfers`, the bytes copied beside the compute: on CUDA a device-to-host copy during forward
+        and backward runs on the backend's copy stream, and the compute waits for none of it."""
+        return self.beside * micro_batches // micro_batches_run
+
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self._phase_of() in (Phase.FORWARD, Phase.BACKWARD):
+            self.beside += nbytes(tensor)
         self._attribute(tensor)
         return super().to_host(tensor, out)
 
@@ -255,6 +263,8 @@ class _Bench:
         on_host = self.host_budget is None or host <= self.host_budget
         run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
         transfers = probe.transfers(run, parts)
+        # (copies overlap compute on a CUDA device only: under the simulator a copy is a memcpy on the same thread)
+        overlapped = probe.overlapped(run, parts) if self.target == "cuda" else 0
         seconds = self.speed.seconds(
             flops=counted.total * parts / run,
             precision=plan.precision,
@@ -262,6 +272,7 @@ class _Bench:
             host_params=self._host_params(plan),
             micro_batches=parts,
             ops=counted.ops * parts / run,
+            overlapped_bytes=overlapped,
         )
         phase = None if on_device else probe.failing_phase(base)
         fits = on_device and on_host

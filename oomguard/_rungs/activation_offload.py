@@ -35,3 +35,13 @@ class ActivationOffload(FieldRung):
 
     def effect(self) -> type[ActivationOffloadEffect]:
         return ActivationOffloadEffect
+
+    def host_bytes(self, plan: Plan, context: RungContext) -> int:
+        """The saved tensors a forward keeps on the host: what the effect measured per sample at its peak in the
+        last step on activation offload that worked (the fact ``activation_host_per_sample``, which the guard adds
+        to its contexts: :mod:`oomguard._effects.activation_host`), times ``plan``'s micro-batch size. 0 until a
+        step was measured: unknown, and the effect's own check as each tensor is copied is then the bound."""
+        if not plan.activation_offload:
+            return 0
+        per_sample = float(context.fact("activation_host_per_sample", 0.0))
+        return int(per_sample * plan.effective_micro_batch_size(context.batch_size))

@@ -21,9 +21,8 @@ import torch
 from torch._guards import detect_fake_mode
 
 from oomguard._backends.memory import MemoryBackend
-from oomguard._detect import is_device_oom
 from oomguard._distributed.agreement import Agreement, quiet_ddp
-from oomguard._distributed.peers import Outcome, peer_failure
+from oomguard._distributed.peers import Outcome, failure_outcome, peer_failure
 from oomguard._effects.effects import Effects
 from oomguard._effects.transaction import OptimizerTransaction, Scheduler
 from oomguard._errors import LossError, NonFiniteLoss, OOMGuardError
@@ -262,7 +261,7 @@ class StepRunner:
                 raise
             failure = exc  # re-raised below, once the other ranks know
         if self.agreement is not None:
-            outcome: Outcome = "ok" if failure is None else ("oom" if _is_retryable(failure, job.backend) else "fatal")
+            outcome: Outcome = "ok" if failure is None else _outcome(failure, job.backend)
             journal = failure is not None or not self.transaction.can_skip_journal(job.backend)
             verdict = self.progress.verdict = self.agreement.after_backward(outcome, self.progress.phase, journal)
             if verdict.outcome != "ok":
@@ -340,13 +339,16 @@ class StepRunner:
             return norm
         except Exception as exc:
             if self.agreement is not None:  # the other ranks are about to agree after their step
-                self.agreement.after_step("oom" if _is_retryable(exc, backend) else "fatal")
+                self.agreement.after_step(_outcome(exc, backend))
             raise
 
 
-def _is_retryable(exc: BaseException, backend: MemoryBackend) -> bool:
-    """An OOM every rank retries on the next plan; the host's (RAM) is not: the ranks stop together instead."""
-    return is_device_oom(exc, separate_host=backend.offloads) and not isinstance(exc, OOMGuardError)
+def _outcome(exc: BaseException, backend: MemoryBackend) -> Outcome:
+    """What this rank tells the others of its failure: an OOM every rank retries (``"oom"``), host memory that ran
+    out (``"host"``: the ranks stop together), or anything else, ours included (``"fatal"``)."""
+    if isinstance(exc, OOMGuardError):
+        return "fatal"
+    return failure_outcome(exc, backend.offloads)
 
 
 def _part_sizes(size: int, micro: int) -> list[int]:
