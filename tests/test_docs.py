@@ -19,7 +19,8 @@ RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 
 #: A measured figure: a number with a decimal point or thousands separator (``100.9``, ``1.069``, ``2,370``), or a
 #: number with a unit of time, memory or share (``303 ms``, ``64 MiB``, ``35 %``). Spaces before the unit are dropped.
-FIGURE = re.compile(r"(?<![\w.])(\d+(?:[.,]\d+)+|\d+ ?(?:ms|s|KiB|MiB|GiB|MB|GB|%|x))(?![\w.])")
+#: A version inside a name (``llama-3.2-1b``, ``qwen2.5-0.5b``) is not a figure.
+FIGURE = re.compile(r"(?<![\w.])(?<![A-Za-z]-)(\d+(?:[.,]\d+)+|\d+ ?(?:ms|s|KiB|MiB|GiB|MB|GB|%|x))(?![\w.])")
 #: Fenced code blocks of Markdown, with their contents.
 CODE_BLOCK = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
