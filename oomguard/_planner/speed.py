@@ -72,7 +72,8 @@ class DeviceSpeed:
     fp32_tflops: float | None = None
     #: Host<->device copy bandwidth, in GB/s (PCIe 3.0 x16 sustains about 12).
     link_gbps: float = 12.0
-    #: Parameters the host's optimizer (a foreach AdamW on a desktop CPU) steps per second.
+    #: Parameters the host's optimizer steps per second (torch's fused CPU AdamW, the guard's host step: bound by a
+    #: desktop's memory bandwidth, as it reads and writes about 28 bytes a parameter).
     host_params_per_second: float = 1.0e9
     #: Fixed cost of one micro-batch's forward and backward (kernel launches, synchronisation), in seconds.
     micro_batch_seconds: float = 2e-3
