@@ -16,7 +16,22 @@ from typing import Any, Protocol
 
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Copying", "GuardHook", "aside", "released"]
+__all__ = ["Copying", "GuardHook", "aside", "released", "step_replaced"]
+
+
+@contextlib.contextmanager
+def step_replaced(optimizer: Any, step: Callable[..., Any]) -> Iterator[None]:
+    """``optimizer.step`` is ``step`` for a while (an instance attribute, over the class's method or a scheduler's
+    wrapper), and then as it was: the wrapper put back, or the instance attribute gone."""
+    had, previous = "step" in vars(optimizer), vars(optimizer).get("step")
+    optimizer.step = step
+    try:
+        yield
+    finally:
+        if had:
+            optimizer.step = previous
+        else:
+            del optimizer.step
 
 
 @contextlib.contextmanager

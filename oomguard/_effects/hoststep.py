@@ -37,6 +37,7 @@ from typing import Any, Literal
 import torch
 
 from oomguard._backends.memory import MemoryBackend
+from oomguard._effects.hooks import step_replaced
 
 __all__ = ["FUSED_OPTIMIZERS", "HOST_STEPS", "LOOPED_OPTIMIZERS", "HostStep", "host_loops"]
 
@@ -74,8 +75,7 @@ def host_loops(
     before = optimizer.register_step_pre_hook(split.enter)  # (after the user's pre-hooks, registered earlier)
     after = optimizer.register_step_post_hook(split.leave)
     optimizer._optimizer_step_post_hooks.move_to_end(after.id, last=False)  # type: ignore[attr-defined]  # (first)
-    had, previous = "step" in vars(optimizer), vars(optimizer).get("step")  # (a scheduler's wrapper, say)
-    stepping = optimizer.step
+    stepping = optimizer.step  # (the class's, or a scheduler's wrapper of it)
 
     def step(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -85,14 +85,10 @@ def host_loops(
 
     if hasattr(stepping, "_wrapped_by_lr_sched"):  # (a scheduler checks that it still counts the steps: it does)
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = step  # type: ignore[method-assign]
     try:
-        yield
+        with step_replaced(optimizer, step):
+            yield
     finally:
-        if had:
-            optimizer.step = previous  # type: ignore[method-assign,assignment]
-        else:
-            del optimizer.step
         before.remove()
         after.remove()
         split.leave(optimizer)

@@ -33,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._effects.base import Effect, EffectTarget
+from oomguard._effects.hooks import step_replaced
 from oomguard._errors import GuardConfigError
 from oomguard._ladder.plan import Plan
 
@@ -154,21 +155,14 @@ class QuantizedOptimizerEffect(Effect):
     def _chunked(self) -> Iterator[None]:
         """The optimizer's ``step`` replaced, for this step, by one that steps its parameters chunk by chunk."""
         optimizer = self.target.optimizer
-        had = "step" in vars(optimizer)
         previous = vars(optimizer).get("step")
         raw = type(optimizer).step.__wrapped__  # type: ignore[attr-defined]  # (no hooks: the wrapper runs them once)
         stepper = torch.optim.Optimizer.profile_hook_step(functools.partial(_step_in_chunks, raw=raw))
         bound: Any = types.MethodType(stepper, optimizer)
         if previous is not None and hasattr(previous, "_wrapped_by_lr_sched"):
             bound = _tracked_by_scheduler(bound, optimizer)
-        optimizer.step = bound  # type: ignore[method-assign]
-        try:
+        with step_replaced(optimizer, bound):
             yield
-        finally:
-            if had:
-                optimizer.step = previous  # type: ignore[method-assign,assignment]
-            else:
-                del optimizer.step
 
     def close(self) -> None:
         """Every moment back in fp32 (may run out of memory: then the rest stay in 8 bits, still engaged)."""
