@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 
 import torch
+from _mlp import guarded_mlp
 
-from oomguard import OOMGuard, Plan
+from oomguard import Plan
 from oomguard.testing import SimulatedGPU
 
 PLANS = {
@@ -33,15 +34,7 @@ PLANS = {
 
 def steady_peak(plan: Plan, width: int, layers: int) -> float:
     """The third step's device peak on ``plan``, in bf16 weights."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
-
-    guard = OOMGuard(step, model=model, optimizer=optimizer, ladder=[])
-    guard.plan = plan
+    guard, model = guarded_mlp(plan, width, layers)
     batch = (torch.randn(2, width), torch.randn(2, width))
     with SimulatedGPU(64 * width * width * layers) as gpu:
         gpu.adopt(model)

@@ -21,24 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _mlp import guarded_mlp
 
-from oomguard import OOMGuard, Plan
+from oomguard import Plan
 from oomguard.testing import SimulatedGPU
 
 PLANS = {"device": Plan(), "optimizer_offload": Plan(optimizer_offload=True)}
-
-
-def _guarded(plan: Plan, width: int, layers: int) -> tuple[OOMGuard, torch.nn.Module]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
-
-    guard = OOMGuard(step, model=model, optimizer=optimizer, ladder=[])
-    guard.plan = plan
-    return guard, model
 
 
 def measure(width: int, layers: int, rounds: int) -> dict[str, Any]:
@@ -46,7 +34,7 @@ def measure(width: int, layers: int, rounds: int) -> dict[str, Any]:
     with SimulatedGPU(64 * width * width * layers) as gpu:
         guards = {}
         for name, plan in PLANS.items():
-            guard, model = _guarded(plan, width, layers)
+            guard, model = guarded_mlp(plan, width, layers)
             gpu.adopt(model)
             for _ in range(3):  # (warm-up: the first step on a plan applies it and journals)
                 guard(batch)
