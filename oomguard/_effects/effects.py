@@ -129,8 +129,8 @@ class Effects:
                 context = effect.optimizer_step(plan, backend)
                 if context is not None:
                     stack.enter_context(context)
-            # (innermost: the host copies are in)
-            stack.enter_context(host_loops(self.target.optimizer, backend, self.host_step))
+            if plan.optimizer_offload or plan.offload_layers:  # (a plan stepping nothing on the host: no cost)
+                stack.enter_context(host_loops(self.target.optimizer, backend, self.host_step))  # (innermost)
             yield
 
     def scaler(self, plan: Plan) -> torch.amp.GradScaler | None:
