@@ -25,8 +25,9 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # Two workers: the suite is single-threaded Python most of the time (the simulator, fake tensors, subprocesses).
+# loadgroup: the jobs of several ranks (tests/helpers/launch.py's RANKS) share one worker and run one at a time.
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py

@@ -1,4 +1,4 @@
-"""One rank of a two-rank gloo job, run by tests/test_distributed.py as ``python dist_worker.py RANK WORLD PORT OUT``.
+"""One rank of a two-rank gloo job, run by tests/test_distributed.py (`python dist_worker.py RANK WORLD INIT OUT MODE`).
 
 Each rank trains the same MLP under DDP on its half of every global batch, on its own SimulatedGPU. Rank 1 has
 a smaller budget (the whole batch does not fit there, so both ranks must agree on micro-batches from step 0) and
@@ -95,12 +95,11 @@ def chunked_main(rank: int, world: int, out: Path) -> None:
     (out / f"report{rank}.json").write_text(json.dumps(report))
 
 
-def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     if mode == "chunked":
         chunked_main(rank, world, out)
         dist.barrier()
-        dist.destroy_process_group()
         return
     if mode == "hang":  # the harness's own check: rank 1 never joins the collective, rank 0 waits forever
         if rank == 0:
@@ -178,12 +177,13 @@ def main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
     report["adam_steps"] = [int(optimizer.state[p]["step"]) for p in model.parameters()]
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"weights{rank}.pt")
     (out / f"report{rank}.json").write_text(json.dumps(report))
-    dist.barrier()  # tearing gloo down while a peer still talks can abort the process
-    dist.destroy_process_group()
+    dist.barrier()  # leaving while a peer still talks can abort it
+    # No destroy_process_group: the caller leaves with os._exit, and torch 2.13's gloo teardown is where a
+    # finished job can hang or abort (see tests/test_examples.py)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), sys.argv[5])
     # Done and written: leave without the interpreter's shutdown, where torch 2.13's gloo can abort a finished
     # rank (its run-loop thread frees a collective's tensors and needs the GIL as the interpreter goes away:
     # "terminate called without an active exception"; see tests/test_examples.py). An error above still exits 1.

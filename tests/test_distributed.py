@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 from helpers.batches import tuple_batch
-from helpers.launch import WORLD, launch
+from helpers.launch import RANKS, WORLD, launch
 from helpers.models import make_mlp
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 
-pytestmark = [pytest.mark.integration, pytest.mark.subprocess]  # two gloo ranks, each a process
+pytestmark = [pytest.mark.integration, pytest.mark.subprocess, RANKS]  # two gloo ranks, each a process
 
 
 def reports(out: Path) -> list[dict[str, Any]]:
@@ -152,4 +152,8 @@ def test_a_hung_rank_is_killed_not_left_behind(tmp_path: Path) -> None:
     codes, hung = launch(WORKER, tmp_path, "hang", timeout=15)
     assert hung, "rank 0 waits in a barrier rank 1 never joins"
     assert time.monotonic() - started < 60
-    assert codes == [-signal.SIGKILL, -signal.SIGKILL], "both ranks were killed by the harness"
+    assert codes == [-signal.SIGABRT, -signal.SIGABRT], "both ranks were stopped by the harness"
+    # Each wrote where it hung before it went: rank 0 in the barrier, rank 1 in its sleep.
+    rank0, rank1 = ((tmp_path / f"rank{rank}.log").read_text() for rank in range(WORLD))
+    assert "in barrier" in rank0 and "in main" in rank0, rank0
+    assert "in main" in rank1 and "in barrier" not in rank1, rank1

@@ -43,7 +43,7 @@ from helpers.hostsweep import (
     host_problems,
     host_sweep,
 )
-from helpers.launch import launch
+from helpers.launch import RANKS, launch
 from helpers.sweep import (
     CHUNK_BYTES,
     CHUNKED_CONFIGS,
@@ -519,6 +519,7 @@ def record_distributed(reports: list[dict[str, Any]]) -> None:
 
 @pytest.mark.integration
 @pytest.mark.subprocess
+@RANKS
 def test_an_oom_on_one_of_two_ranks_loses_nothing_on_either(tmp_path: Path) -> None:
     reports = launch_sweep(tmp_path, "sampled", timeout=240)
     record_distributed(reports)
@@ -528,6 +529,7 @@ def test_an_oom_on_one_of_two_ranks_loses_nothing_on_either(tmp_path: Path) -> N
 @pytest.mark.integration
 @pytest.mark.subprocess
 @pytest.mark.slow
+@RANKS
 def test_an_oom_at_every_allocation_on_one_of_two_ranks_loses_nothing_on_either(tmp_path: Path) -> None:
     reports = launch_sweep(tmp_path, "full", timeout=3600)
     record_distributed(reports)

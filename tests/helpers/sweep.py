@@ -707,10 +707,10 @@ def distributed_sweep(
     return {"faults": result.faults, "failures": result.failures}
 
 
-def distributed_main(rank: int, world: int, port: int, out: Path, mode: str) -> None:
+def distributed_main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     started = time.monotonic()
 
     def wrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -731,12 +731,13 @@ def distributed_main(rank: int, world: int, port: int, out: Path, mode: str) -> 
     with young_garbage_only(lambda: run_step(initial_state(), warm_up, Plan(), wrap=wrap, fault=fault)):
         report = {name: distributed_sweep(name, mode, global_batch, wrap, part, choose, rank) for name in configs}
     (out / f"sweep{rank}.json").write_text(json.dumps({"configs": report, "seconds": time.monotonic() - started}))
-    dist.barrier()  # tearing gloo down while a peer still talks can abort the process
-    dist.destroy_process_group()
+    dist.barrier()  # leaving while a peer still talks can abort it
+    # No destroy_process_group: the caller leaves with os._exit, and torch 2.13's gloo teardown is where a
+    # finished job can hang or abort (see tests/test_examples.py)
 
 
 if __name__ == "__main__":
-    distributed_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5])
+    distributed_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), sys.argv[5])
     # Done and written: leave without the interpreter's shutdown, where torch 2.13's gloo can abort a finished
     # rank (its run-loop thread frees a collective's tensors and needs the GIL as the interpreter goes away:
     # "terminate called without an active exception"; see tests/test_examples.py). An error above still exits 1.
