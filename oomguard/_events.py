@@ -222,12 +222,17 @@ class RelaxEvent(Event):
 class TunedEvent(Event):
     """Once a bucket settled after an OOM, the guard timed the fitting plans the planner ranked fastest on real
     steps and keeps ``plan``, the fastest it measured. ``timings`` has each plan tried and its median step time
-    in seconds (None: it ran out of memory, the step went back to ``previous_plan``)."""
+    in seconds (None: it ran out of memory, the step went back to ``previous_plan``). The search that ranked
+    them took ``planning_seconds`` and ``fake_steps`` steps on fake tensors, spread over ``search_calls``
+    training calls (each call's share is bounded; see :mod:`oomguard._guard.foresight`)."""
 
     kind: ClassVar[str] = "tuned"
     previous_plan: dict[str, Any]
     timings: tuple[tuple[dict[str, Any], float | None], ...]
     description: str
+    planning_seconds: float = 0.0
+    fake_steps: int = 0
+    search_calls: int = 1
 
     def describe(self) -> str:
         return f"step {self.step}: timed {len(self.timings)} plans that fit: {self.description}"

@@ -167,6 +167,13 @@ def test_a_plan_past_the_host_budget_does_not_fit_and_the_walk_goes_another_way(
     assert "| no (host memory) |" in report.table()
 
 
+def test_the_report_counts_the_fake_steps_it_ran() -> None:
+    """One warm-up step, then one fake step per plan measured; a walk is never cut short for time."""
+    report = planned_with_host(None)
+    assert report.fake_steps == len(report.candidates) + 1 and report.complete
+    assert report.to_dict()["fake_steps"] == report.fake_steps
+
+
 def test_the_walk_goes_no_deeper_from_a_plan_the_host_has_no_room_for() -> None:
     """Before: from offloaded state that fit neither the device nor the host, the walk went on offloading layers,
     each plan as far past the host budget (TinyLlama at 6 GiB: 15 more plans measured, 20.5 GiB of host each)."""

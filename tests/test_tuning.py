@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,9 +13,11 @@ from helpers.models import clone_model, make_llama
 
 from oomguard import OOMGuard, Plan, TunedEvent
 from oomguard._cli.main import main
+from oomguard._guard import foresight as foresight_module
 from oomguard._guard.buckets import Choice
-from oomguard._guard.foresight import TIMED, Foresight
-from oomguard._planner.search import search
+from oomguard._guard.foresight import TIMED, Foresight, _Search
+from oomguard._planner.search import SearchBudget, search
+from oomguard._planner.speed import DeviceSpeed
 from oomguard.testing import SimulatedGPU
 
 BATCH, SEQ, STEPS = 16, 32, 15
@@ -140,9 +143,10 @@ def test_the_fastest_median_is_kept_and_warm_up_steps_are_not_timed() -> None:
         Plan(checkpointing="full"),
     )
     foresight = Foresight.__new__(Foresight)
-    foresight._due, foresight._tuning = {}, {}
+    foresight._due, foresight._tuning, foresight._steady, foresight._searches = {}, {}, {}, {}
     foresight.options = type("Options", (), {"tune_after": 1})()  # type: ignore[assignment]
-    foresight._alternatives = lambda *args: [fast, slow]  # type: ignore[method-assign]
+    searched = _Search(settled, 8, DeviceSpeed())
+    foresight._alternatives = lambda *args: (searched, [fast, slow])  # type: ignore[method-assign]
     foresight.settled(7)
     assert foresight.timed(Choice(7, settled), settled, True, 1.0) is None  # a clean step: due now
     times = {settled: [1.0, 1.2], fast: [9.0, 0.5, 0.6], slow: [9.0, 2.0, 2.0]}  # (9.0: warm-up steps)
@@ -177,3 +181,74 @@ def test_the_search_measures_the_largest_fitting_micro_batch_and_skips_dominated
     assert found == {plans[0, 0]: 2, plans[1, 0]: 8, plans[0, 1]: 4}
     assert (1, 1) not in {levels for levels, _ in measured}
     assert [size for levels, size in measured if levels == (0, 1)] == [8, 4], "sizes above 2 only"
+
+
+def test_a_search_out_of_time_goes_on_where_it_stopped_and_finds_what_one_search_finds() -> None:
+    """A budget of no time lets each run of the search measure one plan: run again with what it measured, it
+    replays its choices from those and measures the next, and the last run's answer is the whole search's, with
+    no plan measured twice."""
+    limits = {(0, 0): 2, (0, 1): 4, (1, 0): 8, (1, 1): 8}
+    plans = {levels: Plan(checkpointing="full" if levels[1] else None, precision="bf16" if levels[0] else None)
+             for levels in limits}  # fmt: skip
+    by_plan = {plan: levels for levels, plan in plans.items()}
+    configs = sorted(plans.items(), key=lambda item: sum(item[0]))
+    measured: list[Plan] = []
+
+    def measure(plan: Plan) -> Any:
+        measured.append(plan)
+        fits = plan.effective_micro_batch_size(8) <= limits[by_plan[plan.replace(micro_batch_size=None)]]
+        return type("Measured", (), {"fits": fits})()
+
+    whole = search(configs, 8, 1, lambda plan: bool(measure(plan).fits))
+    once, measured[:] = list(measured), []
+    known: dict[Plan, Any] = {}
+    runs = []
+    while not runs or not runs[-1][1].complete:
+        budget = SearchBudget(0.0, known)
+        found = search(configs, 8, 1, budget.fits(measure, lambda _: None), more=budget.more)
+        runs.append((found, budget))
+    assert runs[-1][0] == whole
+    assert measured == once, "the same plans, in the same order, each measured once"
+    assert len(runs) == len(once) and all(budget.new == 1 for _, budget in runs)
+    assert not any(budget.complete for _, budget in runs[:-1])
+
+
+def test_tuning_whose_search_takes_several_calls_trials_the_same_plans_and_stays_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With little time for the search in a call (each call measures a few plans on fake tensors, the step itself
+    runs on the settled plan), tuning takes more calls and ends where a search in one call ends: the same plans timed,
+    its event says what the search cost, and every step is one optimizer step on every sample."""
+    model = make_llama(layers=2, hidden=64)
+    budget = peak_of_plain_step(model, lm_batches(1)[0]) * 2 // 5
+
+    def tuned(steps: int) -> tuple[TunedEvent, torch.nn.Module, list[int]]:
+        copy = clone_model(model)
+        optimizer = torch.optim.AdamW(copy.parameters(), lr=1e-3)
+        counted: list[int] = []
+        optimizer.register_step_post_hook(lambda *_: counted.append(1))
+        guard = OOMGuard(lambda b: copy(**b), model=copy, optimizer=optimizer, tune_after=2)
+        batches = lm_batches(steps)  # (made before the simulated device: they are not its to hold)
+        with SimulatedGPU(budget) as gpu:
+            gpu.adopt(copy)
+            for batch in batches:
+                guard(batch)
+        events = [e for e in guard.events if isinstance(e, TunedEvent)]
+        assert len(events) == 1, f"tuned once in {steps} steps: {[e.describe() for e in guard.events]}"
+        return events[0], copy, counted
+
+    in_one, _, _ = tuned(STEPS)
+    # 2 s a call (this search of 19 fake steps takes 10-30 s here); each call measures at least one plan, so
+    # 36 steps leave room for its 19 calls at worst, the 3 trials' 9 steps and the settled plan's.
+    monkeypatch.setattr(foresight_module, "MIN_SEARCH_SECONDS", 2.0)
+    monkeypatch.setattr(foresight_module, "SEARCH_STEPS", 0)
+    steps = 36
+    spread, trained, counted = tuned(steps)
+    assert in_one.search_calls == 1 and spread.search_calls > 1
+    assert [plan for plan, _ in spread.timings] == [plan for plan, _ in in_one.timings], "the same plans timed"
+    assert spread.fake_steps > spread.search_calls and spread.planning_seconds > 0
+    assert f"over {spread.search_calls} call(s)" in spread.describe()
+    assert len(counted) == steps, "one optimizer step per call"
+    expected = reference(model, lm_batches(steps))
+    for got, want in zip(trained.parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

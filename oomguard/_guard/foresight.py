@@ -8,7 +8,11 @@ plan runs fastest.
   steps on the plan it fell back to, the planner searches every configuration of the rungs
   (:mod:`oomguard._planner.search`) with this device's speed measured (:func:`~oomguard._planner.speed.measure_speed`);
   the guard then runs the next steps on the :data:`TRIALS` fitting plans it predicts fastest, one warm-up step
-  and :data:`TIMED` timed steps each, and keeps the fastest it measured, the settled plan included. Every trial
+  and :data:`TIMED` timed steps each, and keeps the fastest it measured, the settled plan included. The search
+  takes at most :data:`SEARCH_STEPS` of the bucket's steady steps' time in one call (and at least
+  :data:`MIN_SEARCH_SECONDS`); a search that needs longer goes on in the next calls, whose steps run on the
+  settled plan meanwhile, and finds what it would have found in one (see
+  :class:`~oomguard._planner.search.SearchBudget`). Every trial
   is a whole training step on the user's batch: no sample is lost or doubled, and the maths is each rung's
   own. A trial that runs out of memory is dropped and its step retried on the settled plan.
 """
@@ -32,18 +36,36 @@ from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Plan
 from oomguard._options import GuardOptions
 from oomguard._planner.fakes import memory_was_short, preplan
-from oomguard._planner.speed import measure_speed
+from oomguard._planner.report import Candidate
+from oomguard._planner.speed import DeviceSpeed, measure_speed
 
-__all__ = ["TIMED", "TRIALS", "Foresight", "Tuned"]
+__all__ = ["MIN_SEARCH_SECONDS", "SEARCH_STEPS", "TIMED", "TRIALS", "Foresight", "Tuned"]
 
 #: Alternatives to the settled plan timed on real steps, and timed steps on each (after one warm-up step).
 TRIALS, TIMED = 3, 2
+#: Tuning's search spends at most this many of the bucket's steady steps (their median time) in one call, and
+#: never less than :data:`MIN_SEARCH_SECONDS` (a small model's search is done in one call).
+SEARCH_STEPS, MIN_SEARCH_SECONDS = 3, 10.0
+
+
+@dataclass
+class _Search:
+    """Tuning's search around the plan a bucket settled on, over as many calls as its time budget makes it take."""
+
+    settled: Plan
+    size: int
+    speed: DeviceSpeed
+    known: dict[Plan, Candidate] = field(default_factory=dict)
+    seconds: float = 0.0
+    fake_steps: int = 0
+    calls: int = 0
 
 
 @dataclass
 class _Tuning:
     settled: Plan
     plans: list[Plan]  # the settled plan first (already warm), then the alternatives
+    search: _Search
     index: int = 0
     calls: int = 0  # calls so far on plans[index]
     times: dict[Plan, list[float]] = field(default_factory=dict)
@@ -58,13 +80,16 @@ class _Tuning:
 
 @dataclass(frozen=True)
 class Tuned:
-    """The outcome of tuning a bucket: the plan to keep, and every plan's median step time (None: it ran out of
-    memory)."""
+    """The outcome of tuning a bucket: the plan to keep, every plan's median step time (None: it ran out of
+    memory), and what its search cost: seconds, fake steps, and the calls it took."""
 
     bucket: int
     settled: Plan
     plan: Plan
     timings: tuple[tuple[Plan, float | None], ...]
+    planning_seconds: float = 0.0
+    fake_steps: int = 0
+    search_calls: int = 1
 
     def event(self, step: int, size: int, memory: MemorySnapshot) -> TunedEvent:
         """The ``tuned`` event that says so, after step ``step`` on a batch of ``size``."""
@@ -78,7 +103,11 @@ class Tuned:
             memory,
             self.settled.to_dict(),
             tuple((plan.to_dict(), median) for plan, median in self.timings),
-            f"{timings}; keeping {self.plan.describe(size)}",
+            f"{timings}; keeping {self.plan.describe(size)} (searched in {self.planning_seconds:.3g} s, "
+            f"{self.fake_steps} fake steps, over {self.search_calls} call(s))",
+            round(self.planning_seconds, 3),
+            self.fake_steps,
+            self.search_calls,
         )
 
 
@@ -98,6 +127,8 @@ class Foresight:
         self.bf16, self.device = bf16, device
         self.ladder: Ladder = options.rungs
         self._due: dict[int, int] = {}  # bucket -> clean steps since it settled after an OOM
+        self._steady: dict[int, list[float]] = {}  # bucket -> those steps' seconds
+        self._searches: dict[int, _Search] = {}  # bucket -> its search, where it takes more than one call
         self._tuning: dict[int, _Tuning] = {}
         #: The guard's host budget (set at its first call): the planner's plans past it do not fit.
         self.host_budget: int | None = None
@@ -105,6 +136,8 @@ class Foresight:
     def reset(self) -> None:
         """Forget every bucket (a plan assigned by hand)."""
         self._due.clear()
+        self._steady.clear()
+        self._searches.clear()
         self._tuning.clear()
 
     # -- the jump ---------------------------------------------------------------------------------------
@@ -141,10 +174,13 @@ class Foresight:
         bucket = choice.bucket
         tuning = self._tuning.get(bucket)
         if tuning is None and self._due.get(bucket, -1) >= (self.options.tune_after or 0) and not choice.relaxing:
-            del self._due[bucket]
-            alternatives = self._alternatives(batch, choice.plan, size, backend)
-            if alternatives:
-                tuning = self._tuning[bucket] = _Tuning(choice.plan, [choice.plan, *alternatives])
+            found = self._alternatives(bucket, batch, choice.plan, size, backend)
+            if found is not None:  # (None: the search goes on in the next call; this one runs the settled plan)
+                search, alternatives = found
+                del self._due[bucket]
+                self._searches.pop(bucket, None)
+                if alternatives:
+                    tuning = self._tuning[bucket] = _Tuning(choice.plan, [choice.plan, *alternatives], search)
         if tuning is None or tuning.current is None or tuning.current == tuning.settled:
             return choice
         return Choice(bucket, tuning.current, fallback=tuning.settled, trial=True)
@@ -152,8 +188,9 @@ class Foresight:
     def settled(self, bucket: int) -> None:
         """A step of ``bucket`` succeeded after an OOM on a plan of its own: tune once it has run clean steps."""
         if self.options.tune_after is not None:
-            self._due[bucket] = 0
+            self._due[bucket], self._steady[bucket] = 0, []
             self._tuning.pop(bucket, None)
+            self._searches.pop(bucket, None)
 
     def trial_failed(self, choice: Choice) -> Plan:
         """A trial ran out of memory: it is dropped; the plan to retry its step on."""
@@ -168,6 +205,7 @@ class Foresight:
         bucket = choice.bucket
         if bucket in self._due and clean and plan == choice.plan:
             self._due[bucket] += 1
+            self._steady.setdefault(bucket, []).append(seconds)
         tuning = self._tuning.get(bucket)
         if tuning is None:
             return None
@@ -183,15 +221,23 @@ class Foresight:
         timings = tuple((p, statistics.median(t) if t else None) for p, t in tuning.times.items())
         measured = [(seconds, p) for p, seconds in timings if seconds is not None]
         best = min(measured, key=lambda item: item[0])[1] if measured else tuning.settled
-        return Tuned(bucket, tuning.settled, best, timings)
+        search = tuning.search
+        return Tuned(bucket, tuning.settled, best, timings, search.seconds, search.fake_steps, search.calls)
 
-    def _alternatives(self, batch: Any, settled: Plan, size: int, backend: MemoryBackend) -> list[Plan]:
-        """The fitting plans the planner predicts fastest on this device, other than ``settled``."""
-        try:
-            speed = measure_speed(self.device, backend)
-        except Exception as error:  # (an OOM on a full CUDA device, say): the plan stays, untimed
-            logger.warning("tuning: cannot measure this device's speed (%s: %s)", type(error).__name__, error)
-            return []
+    def _alternatives(
+        self, bucket: int, batch: Any, settled: Plan, size: int, backend: MemoryBackend
+    ) -> tuple[_Search, list[Plan]] | None:
+        """The fitting plans the planner predicts fastest on this device, other than ``settled``, and the search
+        that found them; None where the search has not finished in this call's time (see the module)."""
+        search = self._searches.get(bucket)
+        if search is None or search.settled != settled or search.size != size:
+            try:
+                speed = measure_speed(self.device, backend)
+            except Exception as error:  # (an OOM on a full CUDA device, say): the plan stays, untimed
+                logger.warning("tuning: cannot measure this device's speed (%s: %s)", type(error).__name__, error)
+                return _Search(settled, size, DeviceSpeed()), []
+            search = self._searches[bucket] = _Search(settled, size, speed)
+        steady = self._steady.get(bucket) or [0.0]
         report = preplan(
             self.step_fn,
             batch,
@@ -200,12 +246,24 @@ class Foresight:
             bf16=self.bf16,
             purpose="tuning",
             search_around=settled,
-            speed=speed,
+            speed=search.speed,
             effects=self.effects,
             host_budget=self.host_budget,
+            search_seconds=max(MIN_SEARCH_SECONDS, SEARCH_STEPS * statistics.median(steady)),
+            known=search.known,
         )
         if report is None:
-            return []
+            return search, []
+        search.seconds, search.fake_steps, search.calls = (
+            search.seconds + report.seconds, search.fake_steps + report.fake_steps, search.calls + 1
+        )  # fmt: skip
+        if not report.complete:
+            logger.info(
+                "tuning: the search goes on in the next call (%d plans measured in %.3g s so far)",
+                len(search.known),
+                search.seconds,
+            )
+            return None
         fitting = sorted((c for c in report.candidates if c.fits), key=lambda c: c.predicted_seconds)
         chosen = [settled]  # the fastest plan of each configuration (of the settled one: a larger micro-batch)
         for candidate in fitting:
@@ -214,4 +272,4 @@ class Foresight:
             larger = plan.effective_micro_batch_size(size) > settled.effective_micro_batch_size(size)
             if not taken or (taken == [settled] and larger):
                 chosen.append(plan.replace(micro_batch_size=None) if plan.micro_batches(size) == 1 else plan)
-        return chosen[1 : TRIALS + 1]
+        return search, chosen[1 : TRIALS + 1]

@@ -4,17 +4,15 @@ The planner runs the guard's own step runner (forward, backward, clipping, the o
 effects applied exactly as in training) on PyTorch fake tensors (``FakeTensorMode``: shapes and dtypes, no
 data, no memory), on an unlimited simulated device that accounts every tensor the way
 :class:`~oomguard.testing.SimulatedGPU` does (:mod:`oomguard._backends.accounting`). So a plan's predicted peak is
-what SimulatedGPU, or ``torch.cuda.max_memory_allocated``, would measure for it, without a GPU and without the
-memory.
+what SimulatedGPU, or ``torch.cuda.max_memory_allocated``, would measure for it, without a GPU or the memory.
 
-It walks the guard's ladder from the plain step: a plan that does not fit is followed by the plan the guard
-would try next after an OOM in the same phase, with micro-batch sizes predicted from the peaks measured so
-far, until one fits, then looks for the largest micro-batch that still fits in that configuration. Where that
-ends on offloaded layers or offloaded optimizer state it walks again from bf16 weights with fp32 masters on the
-host (see
-:func:`_master_weights_instead`). Of the fitting plans measured, the one the device model
-(:mod:`oomguard._planner.speed`) predicts fastest is the recommendation. Each measured step runs after a
-warm-up step, so the optimizer state is resident as in any step but the first.
+It walks the guard's ladder from the plain step (:mod:`oomguard._planner.walk`): a plan that does not fit is
+followed by the plan the guard would try next after an OOM in the same phase, with micro-batch sizes predicted
+from the peaks measured so far, until one fits, then looks for the largest micro-batch that still fits in that
+configuration. Where that ends on offloaded layers or offloaded optimizer state it walks again from bf16 weights
+with fp32 masters on the host. Of the fitting plans measured, the one the device model
+(:mod:`oomguard._planner.speed`) predicts fastest is the recommendation. Each measured step runs after a warm-up
+step, so the optimizer state is resident as in any step but the first.
 """
 
 from __future__ import annotations
@@ -32,15 +30,15 @@ from oomguard._backends.accounting import AccountedDevice
 from oomguard._backends.memory import nbytes
 from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Phase, Plan
-from oomguard._ladder.predict import PeakModel
 from oomguard._ladder.rungs import Rung, RungContext
 from oomguard._options import GuardOptions, build_runner, model_context
 from oomguard._planner.masks import unpadded_masks
 from oomguard._planner.reads import PlaceholderReads
 from oomguard._planner.report import Candidate, PlanReport, Target, device_overhead, tensor_budget
-from oomguard._planner.search import configurations, halvings, inexact, largest_fitting, search
+from oomguard._planner.search import SearchBudget, configurations, inexact, search
 from oomguard._planner.speed import DeviceSpeed, FlopCount
-from oomguard._step.batch import batch_size, items_per_sample, split_batch
+from oomguard._planner.walk import master_weights_instead, walk
+from oomguard._step.batch import batch_size, split_batch
 from oomguard._step.runner import StepRunner
 
 __all__ = ["Residue", "dry_run"]
@@ -139,6 +137,8 @@ def dry_run(
     residue: Residue | None = None,
     max_seconds: float | None = None,
     host_budget: int | None = None,
+    search_seconds: float | None = None,
+    known: dict[Plan, Candidate] | None = None,
 ) -> PlanReport:
     """Walk the ladder for ``batch`` on fake tensors (or measure just ``plans``, in order, if given; or search
     every configuration around the plan ``search_around``, :mod:`oomguard._planner.search`); recommend the
@@ -146,7 +146,9 @@ def dry_run(
     told the device the dry run accounted on, to see afterwards what it left alive. A dry run past ``max_seconds``,
     or a step that reads more than :data:`~oomguard._planner.reads.MAX_READS` fake values, raises
     :class:`~oomguard._planner.reads.DryRunLimit`. ``host_budget``: the host memory the guard may fill (None:
-    unlimited); a plan whose host bytes are past it does not fit, and the walk goes another way.
+    unlimited); a plan whose host bytes are past it does not fit, and the walk goes another way. The search
+    starts no measurement past ``search_seconds`` (but its first) and does not run again a plan in ``known``
+    (an earlier dry run's measurements, added to here): see :class:`~oomguard._planner.search.SearchBudget`.
 
     Everything passed in must already be fake: call it inside the ``FakeTensorMode`` that made the model, the
     optimizer and the batch. The model's effects are undone before it returns.
@@ -165,7 +167,8 @@ def dry_run(
             bench.probe.adopt(model, _tensors(batch))
             bench.run(split_batch(batch, 1)[0], Plan())  # a one-sample warm-up creates the optimizer state
             context = dataclasses.replace(model_context(runner), batch_size=size)
-            _measure(bench, options.rungs, context, plans, search_around, bf16)
+            budget = SearchBudget(search_seconds, known)
+            _measure(bench, options.rungs, context, plans, search_around, bf16, budget)
         finally:
             runner.effects.close()
     candidates = bench.candidates if bf16 else _as_fp16(bench.candidates)
@@ -182,6 +185,8 @@ def dry_run(
         recommended=fitting[0] if fitting else None,
         seconds=time.perf_counter() - started,
         host_budget_bytes=host_budget,
+        fake_steps=bench.steps,
+        complete=budget.complete,
     )
 
 
@@ -192,6 +197,7 @@ def _measure(
     plans: Sequence[Plan] | None,
     search_around: Plan | None,
     bf16: bool,
+    budget: SearchBudget,
 ) -> None:
     """What :func:`dry_run` measures: ``plans``, then the search around ``search_around``, or else the walk down
     ``ladder`` (and on from master weights instead of offloaded layers or state, where bf16 is measured)."""
@@ -201,12 +207,13 @@ def _measure(
     if search_around is not None:
         configs = configurations(search_around, ladder, context)
         smallest, fixed = ladder.min_micro_batch(size), inexact(ladder)
-        search(configs, size, smallest, lambda plan: bench.measure(plan)[0].fits, fixed=fixed)
+        fits = budget.fits(lambda plan: bench.measure(plan)[0], bench.candidates.append)
+        search(configs, size, smallest, fits, fixed=fixed, more=budget.more)
     elif not plans:
-        _walk(bench, ladder, context)
-        master = _master_weights_instead(bench.candidates, ladder, context) if bf16 else None
+        walk(bench, ladder, context)
+        master = master_weights_instead(bench.candidates, ladder, context) if bf16 else None
         if master is not None:
-            _walk(bench, ladder, context, start=master)
+            walk(bench, ladder, context, start=master)
 
 
 def _as_fp16(candidates: list[Candidate]) -> list[Candidate]:
@@ -236,9 +243,11 @@ class _Bench:
         self.probe = _Probe(self.budget, _phase_of(runner))
         self.reads = PlaceholderReads()
         self.candidates: list[Candidate] = []
+        self.steps = 0  # fake steps run
 
     def run(self, batch: Any, plan: Plan) -> None:
         """One step (nothing holds signals around a step of fake tensors: there is nothing an interrupt can split)."""
+        self.steps += 1
         self.reads.new_step()
         self.runner.run(batch, batch_size(batch), plan, self.probe)
 
@@ -306,78 +315,6 @@ class Residue:
     def storages(self) -> set[int]:
         """Identities of the dry run's storages still alive."""
         return self.probe.live_storages() if self.probe is not None else set()
-
-
-def _walk(bench: _Bench, ladder: Ladder, context: RungContext, start: Plan | None = None) -> None:
-    """Down the ladder from ``start`` (the plain plan), as the guard would go after an OOM in the same phase,
-    until a plan fits; then the largest micro-batch that fits in its configuration. A plan the host has no room
-    for is left for what another rung makes of the plan before it, as the guard's walk leaves a rung whose host
-    memory is past the budget: the rungs after it would only add to the device's relief, not take from the host's
-    load (TinyLlama's offloaded state needs 20.5 GiB of host memory on every plan that walks on from it)."""
-    size, grad_bytes = bench.size, bench.runner.grad_bytes
-    peaks = PeakModel(margin=0.0)  # the measurements are exact: no safety margin on top of the overhead
-    per_sample = items_per_sample(bench.batch, size)
-    plan: Plan | None = start or Plan()
-    came: tuple[Plan, RungContext] | None = None  # the plan that did not fit on the device, and its context
-    refused: set[str] = set()  # rungs whose plans the host has no room for
-    step: tuple[Rung, Plan] | None = None  # the rung that made ``plan``, and ``plan``
-    while plan is not None and plan not in {c.plan for c in bench.candidates}:
-        measured, base = bench.measure(plan)
-        if measured.fits:
-            _grow(plan, size, bench.candidates, bench.measure)
-            return
-        # The host is short (the device may be too): another rung, from the plan before.
-        if not measured.host_fits and came is not None and step is not None:
-            refused.add(step[0].name)
-            step = ladder.next(*came, skip=refused)
-            plan = step[1] if step is not None else None
-            continue
-        items = round(plan.effective_micro_batch_size(size) * per_sample)
-        peaks.record_success(plan, items, measured.peak_bytes - base)
-        sized = peaks.max_micro_batch(plan, bench.budget, base, per_sample, grad_bytes)
-        phase = measured.phase or Phase.FORWARD
-        came = (plan, dataclasses.replace(context, phase=phase, max_micro_batch=sized))
-        step = ladder.next(*came, skip=refused)
-        plan = step[1] if step is not None else None
-
-
-def _master_weights_instead(tried: list[Candidate], ladder: Ladder, context: RungContext) -> Plan | None:
-    """Where the walk ended on offloaded layers or on offloaded optimizer state: the same plan with bf16 weights on
-    the device and fp32 masters on the host instead (optimizer_offload's second level), to walk on from; None
-    where the ladder cannot.
-
-    The walk from the plain plan meets layer offload before mixed precision (resident state is not what amp
-    relieves), and the master level needs amp; yet it halves the weights on the device and moves a fraction of
-    what streaming layers moves. And the walk stops at the state's level, which fits: yet each of its steps moves
-    fp32 gradients and weights both ways (12 bytes a parameter), the master level 4.
-    """
-    fitting = next((c.plan for c in reversed(tried) if c.fits), None)
-    if fitting is None or not (fitting.offload_layers or fitting.optimizer_offload is True):
-        return None
-    master = fitting.replace(offload_layers=0, optimizer_offload="master", precision="bf16")
-    rungs = {rung.name: rung for rung in ladder.known}
-    listed = set(ladder.names)
-    # Each rung it takes says whether it could get there (its preconditions: bf16 on this device, an optimizer
-    # that steps on the host, the master level's own rule); amp need not be listed where the walk already ran bf16.
-    usable = "optimizer_offload" in listed and ("amp" in listed or fitting.precision == "bf16")
-    reached = all(rungs[name].reaches(master, context) for name in ("amp", "optimizer_offload"))
-    return master if usable and reached else None
-
-
-def _grow(fitting: Plan, size: int, tried: list[Candidate], measure: Callable[[Plan], Any]) -> None:
-    """Find the largest micro-batch that fits in ``fitting``'s configuration, among the sizes halving visits
-    (size/2, size/4...), by bisection between the one that fits and the smallest one known not to."""
-    config = fitting.replace(micro_batch_size=None)
-    same = [c for c in tried if c.plan.replace(micro_batch_size=None) == config]
-    failed = [c.plan.effective_micro_batch_size(size) for c in same if not c.fits]
-    low, high = fitting.effective_micro_batch_size(size), min(failed, default=size + 1)
-    sizes = [s for s in halvings(size) if low < s < high]
-    largest_fitting(sizes, lambda micro: bool(measure(config.replace(micro_batch_size=_size(micro, size)))[0].fits))
-
-
-def _size(micro: int, size: int) -> int | None:
-    """The plan's micro_batch_size for micro-batches of ``micro`` on a batch of ``size`` (None: the whole batch)."""
-    return None if micro >= size else micro
 
 
 def _two_micro_batches(batch: Any, plan: Plan, size: int) -> Any:

@@ -29,7 +29,7 @@ from oomguard._ladder.plan import Plan
 from oomguard._options import GuardOptions
 from oomguard._planner.engine import Residue, dry_run
 from oomguard._planner.isolation import Kept, leftovers
-from oomguard._planner.report import CUDA_CONTEXT_BYTES, PlanReport, Target
+from oomguard._planner.report import CUDA_CONTEXT_BYTES, Candidate, PlanReport, Target
 from oomguard._planner.speed import DeviceSpeed
 
 __all__ = ["MAX_SECONDS", "memory_was_short", "preplan"]
@@ -56,14 +56,17 @@ def preplan(
     plans: Sequence[Plan] | None = None,
     effects: Effects | None = None,
     host_budget: int | None = None,
+    search_seconds: float | None = None,
+    known: dict[Plan, Candidate] | None = None,
 ) -> PlanReport | None:
     """The planner's answer for a guard's step on this device, or None (logged) where it cannot tell.
 
     ``purpose`` names the caller in the log lines: ``"preplan"`` (before the first step), ``"jump"`` (after the
     first OOM of a batch bucket) or ``"tuning"`` (which passes ``search_around``, the plan a bucket settled on,
-    and the ``speed`` of the device measured). ``plans`` measures just those (a benchmark's). ``effects``, the
-    guard's, step aside while the planner runs (the model as the user made it; nothing moves). ``host_budget``: the
-    guard's; a plan whose host bytes are past it does not fit.
+    the ``speed`` of the device measured, at most ``search_seconds``, reusing the plans measured in ``known``:
+    :class:`~oomguard._planner.search.SearchBudget`). ``plans`` measures just
+    those (a benchmark's). ``effects``, the guard's, step aside while the planner runs (the model as the user made
+    it; nothing moves). ``host_budget``: the guard's; a plan whose host bytes are past it does not fit.
 
     The dry run leaves nothing behind (:mod:`oomguard._planner.isolation`): what the step and the model keep is
     put back after it; where fake tensors escape all the same, the step is not planned again.
@@ -88,8 +91,8 @@ def preplan(
     try:
         with _stepped_aside(effects), _isolated(model, step_fn):
             report = _dry_run(step_fn, batch, options, capacity, target, device, residue, bf16=bf16,
-                              search_around=search_around, speed=speed, plans=plans,
-                              host_budget=host_budget)  # fmt: skip
+                              search_around=search_around, speed=speed, plans=plans, host_budget=host_budget,
+                              search_seconds=search_seconds, known=known)  # fmt: skip
     except Exception as error:  # a step the planner cannot run on fake tensors (an output sized by values, say)
         failure = f"{type(error).__name__}: {error}"
     # (outside the except block: its traceback, which holds the dry run's frames and their fakes, is gone)

@@ -120,6 +120,10 @@ class PlanReport:
     seconds: float
     #: The host memory planned for (the guard's host budget, ``--host-memory``); None: unlimited.
     host_budget_bytes: int | None = None
+    #: Steps run on fake tensors (the warm-up included; a plan known from an earlier search is not run again).
+    fake_steps: int = 0
+    #: False: the search ran out of its time (``search_seconds``) before it measured every configuration.
+    complete: bool = True
 
     @property
     def baseline_peak_bytes(self) -> int:
@@ -181,6 +185,7 @@ class PlanReport:
             "reason": self.reason,
             "candidates": [c.to_dict(self.batch_size, self.host_budget_bytes) for c in self.candidates],
             "seconds": round(self.seconds, 2),
+            "fake_steps": self.fake_steps,
         }
 
     def table(self) -> str:

@@ -18,13 +18,15 @@ one cannot be faster and is not measured.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 
 from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Plan
 from oomguard._ladder.rungs import Rung, RungContext
+from oomguard._planner.report import Candidate
 
-__all__ = ["configurations", "halvings", "inexact", "largest_fitting", "search"]
+__all__ = ["SearchBudget", "configurations", "halvings", "inexact", "largest_fitting", "search"]
 
 #: At most this many fake steps per search (each is a fraction of a second for a small model, seconds for 1B).
 MAX_MEASUREMENTS = 40
@@ -85,6 +87,38 @@ def _always() -> bool:
     return True
 
 
+class SearchBudget:
+    """What one dry run of a search may spend: no new measurement starts ``seconds`` after it began (but its
+    first), and a plan measured by an earlier dry run of the same search (``known``, kept by the caller and added
+    to here) is not run again. A search that stopped for time (``complete`` False) is run again later, from the
+    start: it makes the same choices, answered from ``known`` this time, and goes on where it stopped."""
+
+    def __init__(self, seconds: float | None, known: dict[Plan, Candidate] | None = None) -> None:
+        self.known = {} if known is None else known
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.new, self.complete = 0, True
+
+    def more(self) -> bool:
+        """Whether the search may measure one more plan (:func:`search`'s ``more``)."""
+        if self.new and self.deadline is not None and time.monotonic() >= self.deadline:
+            self.complete = False
+        return self.complete
+
+    def fits(self, measure: Callable[[Plan], Candidate], known: Callable[[Candidate], None]) -> Callable[[Plan], bool]:
+        """:func:`search`'s ``fits``: whether a plan fits, by ``measure`` or, for a plan measured before, from what
+        was measured (passed to ``known``)."""
+
+        def at(plan: Plan) -> bool:
+            if plan in self.known:
+                known(self.known[plan])
+            else:
+                self.new += 1
+                self.known[plan] = measure(plan)
+            return self.known[plan].fits
+
+        return at
+
+
 def largest_fitting(
     sizes: Sequence[int], fits: Callable[[int], bool], more: Callable[[], bool] = _always
 ) -> int | None:
@@ -108,14 +142,21 @@ def search(
     fits: Callable[[Plan], bool],
     limit: int = MAX_MEASUREMENTS,
     fixed: int = 1,
+    more: Callable[[], bool] = _always,
 ) -> dict[Plan, int | None]:
     """The largest micro-batch (among the sizes halving visits, down to ``smallest``) at which each configuration
     ``fits`` (a measurement), None where none does; configurations dominated as the module says are left out,
-    and so is everything after ``limit`` measurements (a size the limit cut short is the largest known to fit).
-    The first ``fixed`` levels of each configuration are compared for equality, not order (see :func:`inexact`)."""
+    and so is everything after ``limit`` measurements or once ``more`` says no (asked before each measurement:
+    a time budget); a size cut short is the largest known to fit. The first ``fixed`` levels of
+    each configuration are compared for equality, not order (see :func:`inexact`)."""
     largest: dict[tuple[int, ...], int | None] = {}
     found: dict[Plan, int | None] = {}
-    measured = 0
+    measured, stopped = 0, False
+
+    def going() -> bool:  # (asked only before a measurement)
+        nonlocal stopped
+        stopped = stopped or not more()
+        return measured < limit and not stopped
 
     def measure(config: Plan) -> Callable[[int], bool]:
         def at(micro: int) -> bool:  # (one measurement, counted against the limit)
@@ -131,9 +172,9 @@ def search(
             continue  # a lighter configuration runs the whole batch: this one only adds work
         low = max((m for m in lighter if m is not None), default=None)
         candidates = [s for s in halvings(size) if s >= smallest and (low is None or s > low)]
-        best = largest_fitting(candidates, measure(config), lambda: measured < limit)
+        best = largest_fitting(candidates, measure(config), going)
         largest[levels] = found[config] = best if best is not None else low
-        if measured >= limit:
+        if measured >= limit or stopped:
             break
     return found
 

@@ -1,0 +1,103 @@
+"""The planner's walk down the ladder on fake tensors, as the guard would walk it after each OOM, and the largest
+micro-batch that fits where it stops (see :mod:`oomguard._planner.engine`, whose bench measures each plan)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from oomguard._ladder.ladder import Ladder
+from oomguard._ladder.plan import Phase, Plan
+from oomguard._ladder.predict import PeakModel
+from oomguard._ladder.rungs import Rung, RungContext
+from oomguard._planner.report import Candidate
+from oomguard._planner.search import halvings, largest_fitting
+from oomguard._step.batch import items_per_sample
+
+__all__ = ["Bench", "grow", "master_weights_instead", "walk"]
+
+
+class Bench(Protocol):
+    """What the walk needs of the engine's bench: the batch, the tensor budget, the measurements so far, and a
+    measurement of a plan (with the memory resident when its step began)."""
+
+    batch: Any
+    size: int
+    budget: int
+    runner: Any  # (its grad_bytes)
+    candidates: list[Candidate]
+
+    def measure(self, plan: Plan) -> tuple[Candidate, int]: ...
+
+
+def walk(bench: Bench, ladder: Ladder, context: RungContext, start: Plan | None = None) -> None:
+    """Down the ladder from ``start`` (the plain plan), as the guard would go after an OOM in the same phase,
+    until a plan fits; then the largest micro-batch that fits in its configuration. A plan the host has no room
+    for is left for what another rung makes of the plan before it, as the guard's walk leaves a rung whose host
+    memory is past the budget: the rungs after it would only add to the device's relief, not take from the host's
+    load (TinyLlama's offloaded state needs 20.5 GiB of host memory on every plan that walks on from it)."""
+    size, grad_bytes = bench.size, bench.runner.grad_bytes
+    peaks = PeakModel(margin=0.0)  # the measurements are exact: no safety margin on top of the overhead
+    per_sample = items_per_sample(bench.batch, size)
+    plan: Plan | None = start or Plan()
+    came: tuple[Plan, RungContext] | None = None  # the plan that did not fit on the device, and its context
+    refused: set[str] = set()  # rungs whose plans the host has no room for
+    step: tuple[Rung, Plan] | None = None  # the rung that made ``plan``, and ``plan``
+    while plan is not None and plan not in {c.plan for c in bench.candidates}:
+        measured, base = bench.measure(plan)
+        if measured.fits:
+            grow(plan, size, bench.candidates, bench.measure)
+            return
+        # The host is short (the device may be too): another rung, from the plan before.
+        if not measured.host_fits and came is not None and step is not None:
+            refused.add(step[0].name)
+            step = ladder.next(*came, skip=refused)
+            plan = step[1] if step is not None else None
+            continue
+        items = round(plan.effective_micro_batch_size(size) * per_sample)
+        peaks.record_success(plan, items, measured.peak_bytes - base)
+        sized = peaks.max_micro_batch(plan, bench.budget, base, per_sample, grad_bytes)
+        phase = measured.phase or Phase.FORWARD
+        came = (plan, dataclasses.replace(context, phase=phase, max_micro_batch=sized))
+        step = ladder.next(*came, skip=refused)
+        plan = step[1] if step is not None else None
+
+
+def master_weights_instead(tried: list[Candidate], ladder: Ladder, context: RungContext) -> Plan | None:
+    """Where the walk ended on offloaded layers or on offloaded optimizer state: the same plan with bf16 weights on
+    the device and fp32 masters on the host instead (optimizer_offload's second level), to walk on from; None
+    where the ladder cannot.
+
+    The walk from the plain plan meets layer offload before mixed precision (resident state is not what amp
+    relieves), and the master level needs amp; yet it halves the weights on the device and moves a fraction of
+    what streaming layers moves. And the walk stops at the state's level, which fits: yet each of its steps moves
+    fp32 gradients and weights both ways (12 bytes a parameter), the master level 4.
+    """
+    fitting = next((c.plan for c in reversed(tried) if c.fits), None)
+    if fitting is None or not (fitting.offload_layers or fitting.optimizer_offload is True):
+        return None
+    master = fitting.replace(offload_layers=0, optimizer_offload="master", precision="bf16")
+    rungs = {rung.name: rung for rung in ladder.known}
+    listed = set(ladder.names)
+    # Each rung it takes says whether it could get there (its preconditions: bf16 on this device, an optimizer
+    # that steps on the host, the master level's own rule); amp need not be listed where the walk already ran bf16.
+    usable = "optimizer_offload" in listed and ("amp" in listed or fitting.precision == "bf16")
+    reached = all(rungs[name].reaches(master, context) for name in ("amp", "optimizer_offload"))
+    return master if usable and reached else None
+
+
+def grow(fitting: Plan, size: int, tried: list[Candidate], measure: Callable[[Plan], Any]) -> None:
+    """Find the largest micro-batch that fits in ``fitting``'s configuration, among the sizes halving visits
+    (size/2, size/4...), by bisection between the one that fits and the smallest one known not to."""
+    config = fitting.replace(micro_batch_size=None)
+    same = [c for c in tried if c.plan.replace(micro_batch_size=None) == config]
+    failed = [c.plan.effective_micro_batch_size(size) for c in same if not c.fits]
+    low, high = fitting.effective_micro_batch_size(size), min(failed, default=size + 1)
+    sizes = [s for s in halvings(size) if low < s < high]
+    largest_fitting(sizes, lambda micro: bool(measure(config.replace(micro_batch_size=_size(micro, size)))[0].fits))
+
+
+def _size(micro: int, size: int) -> int | None:
+    """The plan's micro_batch_size for micro-batches of ``micro`` on a batch of ``size`` (None: the whole batch)."""
+    return None if micro >= size else micro
