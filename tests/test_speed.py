@@ -64,7 +64,7 @@ def test_on_cuda_the_copies_down_beside_forward_and_backward_cost_only_what_the_
             ).candidates)  # fmt: skip
 
     overlapped = predicted("cuda")
-    monkeypatch.setattr("oomguard._planner.engine._Probe.overlapped", lambda self, run, parts: 0)
+    monkeypatch.setattr("oomguard._planner.probe.Probe.overlapped", lambda self, run, parts: 0)
     added, simulated_added = predicted("cuda"), predicted("simulated")
     for beside, summed in zip(overlapped, added, strict=True):
         assert beside.transfer_bytes == summed.transfer_bytes, "the same copies"

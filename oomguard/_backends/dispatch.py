@@ -6,6 +6,7 @@ What is counted, and why, is told in :mod:`oomguard._backends.accounting`.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
@@ -36,6 +37,24 @@ _UNANNOTATED_MUTATION = {
 # Batch-norm ops whose sixth argument is `training`; in eval mode they mutate nothing (and their meta kernels
 # report statistics outputs the CPU kernels do not allocate), so they are not sized in advance then.
 _BATCH_NORM_WITH_STATS = {_aten._native_batch_norm_legit.default}
+
+
+#: Ops that read a tensor's metadata (C++ asks a fake tensor's device through the dispatcher): nothing to account.
+_METADATA = {torch.ops.prim.device.default, torch.ops.prim.layout.default}
+
+
+@functools.cache
+def allocates_nothing(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` only reads metadata or makes views: every output aliases an input, nothing is written, so
+    no storage is made, grown or changed and there is nothing to account (half the ops of a training step)."""
+    if func in _METADATA:
+        return True
+    if func in FRESH:  # (its output aliases a constant made outside the mode: accounted as new)
+        return False
+    schema = func._schema
+    if schema.is_mutable or not schema.returns:
+        return False
+    return all(ret.alias_info is not None and not ret.alias_info.is_write for ret in schema.returns)
 
 
 def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -189,7 +208,7 @@ class AccountingMode(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         if any(is_traceable_wrapper_subclass_type(kind) for kind in types):
             return NotImplemented  # (the subclass's __torch_dispatch__ runs next, under this mode)
         kwargs = kwargs or {}
-        if self.paused.active:
+        if self.paused.active or allocates_nothing(func):
             return func(*args, **kwargs)
         self.before(func, args, kwargs)
         mutated = written(func, args, kwargs)

@@ -89,6 +89,12 @@ def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "default) or names, comma-separated, e.g. q_proj,v_proj",
     )
     plan.add_argument(
+        "--exact",
+        action="store_true",
+        help="measure every candidate with a full fake step (slower; by default a deep model's candidates are "
+        "composed from steps of 2- and 3-block copies of it and only the recommendation is measured in full)",
+    )
+    plan.add_argument(
         "--json", action="store_true", help="print the answer as strict JSON (a non-finite number is null)"
     )
     plan.set_defaults(run=_run_plan)
@@ -122,6 +128,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             args.model, gpu_memory=args.gpu_memory, batch_size=args.batch_size, seq_len=args.seq_len,
             optimizer=args.optimizer, target=args.target, bf16=args.bf16, max_grad_norm=args.max_grad_norm,
             speed=speed, ladder=ladder, lora_rank=args.lora_rank, lora_targets=targets, host_memory=host_memory,
+            exact=args.exact,
         )  # fmt: skip
     except ValueError as error:  # bad input: a model, a config.json or an argument the planner cannot use
         bad_input("plan", error)

@@ -13,108 +13,54 @@ configuration. Where that ends on offloaded layers or offloaded optimizer state 
 with fp32 masters on the host. Of the fitting plans measured, the one the device model
 (:mod:`oomguard._planner.speed`) predicts fastest is the recommendation. Each measured step runs after a warm-up
 step, so the optimizer state is resident as in any step but the first.
+
+Where it can build the model with fewer blocks (``dry_run``'s ``shallow``), a deep model's plans are measured on
+two- and three-block copies and composed (:mod:`oomguard._planner.compose`), and only the recommendation is
+measured with a full step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from oomguard._backends.accounting import AccountedDevice
-from oomguard._backends.memory import nbytes
 from oomguard._ladder.ladder import Ladder
-from oomguard._ladder.plan import Phase, Plan
+from oomguard._ladder.plan import Plan
 from oomguard._ladder.rungs import Rung, RungContext
 from oomguard._options import GuardOptions, build_runner, model_context
+from oomguard._planner.bench import StepBench, close
+from oomguard._planner.compose import MIN_BLOCKS, Composed, confirm
 from oomguard._planner.masks import unpadded_masks
 from oomguard._planner.reads import PlaceholderReads
-from oomguard._planner.report import Candidate, PlanReport, Target, device_overhead, tensor_budget
+from oomguard._planner.report import Candidate, PlanReport, Target
 from oomguard._planner.search import SearchBudget, configurations, inexact, search
-from oomguard._planner.speed import DeviceSpeed, FlopCount
-from oomguard._planner.walk import master_weights_instead, walk
-from oomguard._step.batch import batch_size, split_batch
-from oomguard._step.runner import StepRunner
+from oomguard._planner.speed import DeviceSpeed
+from oomguard._planner.walk import Bench, master_weights_instead, walk
+from oomguard._step.batch import batch_size
 
 __all__ = ["Residue", "dry_run"]
 
-_UNLIMITED = 2**62
+
+class ShallowModel(NamedTuple):
+    """The model with fewer blocks (see :func:`dry_run`'s ``shallow``): its step function, model and optimizer;
+    and, where it is the deep model itself cut short (a guard's model, which the user's step function calls),
+    ``around``: what is entered around each of its steps to cut it (the model whole again after each)."""
+
+    step_fn: Callable[[Any], Any]
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    around: Callable[[], contextlib.AbstractContextManager[None]] | None = None
 
 
-class _Probe(AccountedDevice):
-    """An unlimited simulated device that notes in which phase usage first passed ``budget``, and the peak of
-    each phase. ``phase`` must not hold the runner: the probe's storage finalizers outlive the dry run."""
-
-    def __init__(self, budget: int, phase: Callable[[], Phase]) -> None:
-        super().__init__(_UNLIMITED, name="planner", on_allocate=self._note)
-        self.budget = budget
-        self.per_micro_batch = self.per_step = 0  # host<->device bytes of the step measured now
-        self.beside = 0  # of ``per_micro_batch``: device-to-host copies a side stream runs beside the compute
-        self.crossed: Phase | None = None
-        self.phase_peaks: dict[Phase, int] = {}
-        self._phase_of = phase
-
-    def start(self) -> int:
-        """Measure a new step from here; returns what is resident now."""
-        self.reset_peak_memory_stats()
-        self.crossed, self.phase_peaks = None, {}
-        self.per_micro_batch = self.per_step = self.beside = 0
-        return self.memory_allocated()
-
-    def transfers(self, micro_batches_run: int, micro_batches: int) -> int:
-        """Host<->device bytes of a whole step with ``micro_batches``, from a run of ``micro_batches_run``: what
-        the forward and backward copied is per micro-batch, the rest (the optimizer's journal) per step."""
-        return self.per_micro_batch * micro_batches // micro_batches_run + self.per_step
-
-    def overlapped(self, micro_batches_run: int, micro_batches: int) -> int:
-        """Of :meth:`transfers`, the bytes copied beside the compute: on CUDA a device-to-host copy during forward
-        and backward runs on the backend's copy stream, and the compute waits for none of it."""
-        return self.beside * micro_batches // micro_batches_run
-
-    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if self._phase_of() in (Phase.FORWARD, Phase.BACKWARD):
-            self.beside += nbytes(tensor)
-        self._attribute(tensor)
-        return super().to_host(tensor, out)
-
-    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._attribute(tensor)
-        return super().to_device(tensor)
-
-    def upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
-        self._attribute(host)
-        super().upload(device, host)
-
-    def _attribute(self, tensor: torch.Tensor) -> None:
-        moved = nbytes(tensor)
-        if self._phase_of() in (Phase.FORWARD, Phase.BACKWARD):
-            self.per_micro_batch += moved
-        else:
-            self.per_step += moved
-
-    def failing_phase(self, base: int) -> Phase:
-        """The phase a plan that does not fit fails in, as far as the rungs are concerned.
-
-        What is resident before the step (weights, optimizer state) or needed by the optimizer step cannot be
-        relieved by rungs that shrink activations: that is an optimizer-phase failure, whichever allocation
-        would have been the first to fail.
-        """
-        late = max(self.phase_peaks.get(phase, 0) for phase in (Phase.CLIP, Phase.OPTIMIZER))
-        if base > self.budget or late > self.budget:
-            return Phase.OPTIMIZER
-        return self.crossed or Phase.FORWARD
-
-    def _note(self, allocated: int) -> None:
-        """The ``on_allocate`` observer: after every allocation, and every resize of a tracked storage."""
-        phase = self._phase_of()
-        self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), allocated)
-        if self.crossed is None and allocated > self.budget:
-            self.crossed = phase
+#: ``dry_run``'s ``shallow``: ``shallow(n)`` is the model with ``n`` blocks (a tuple of step function, model and
+#: optimizer will do, where it is a model of its own).
+Shallow = Callable[[int], ShallowModel | tuple[Callable[[Any], Any], torch.nn.Module, torch.optim.Optimizer]]
 
 
 def dry_run(
@@ -139,6 +85,7 @@ def dry_run(
     host_budget: int | None = None,
     search_seconds: float | None = None,
     known: dict[Plan, Candidate] | None = None,
+    shallow: Shallow | None = None,
 ) -> PlanReport:
     """Walk the ladder for ``batch`` on fake tensors (or measure just ``plans``, in order, if given; or search
     every configuration around the plan ``search_around``, :mod:`oomguard._planner.search`); recommend the
@@ -149,28 +96,19 @@ def dry_run(
     unlimited); a plan whose host bytes are past it does not fit, and the walk goes another way. The search
     starts no measurement past ``search_seconds`` (but its first) and does not run again a plan in ``known``
     (an earlier dry run's measurements, added to here): see :class:`~oomguard._planner.search.SearchBudget`.
+    ``shallow(n)``, where given, is the model with ``n`` blocks (:class:`ShallowModel`): a deep model's plans are
+    then composed from shallow steps (:mod:`oomguard._planner.compose`).
 
-    Everything passed in must already be fake: call it inside the ``FakeTensorMode`` that made the model, the
-    optimizer and the batch. The model's effects are undone before it returns.
+    Everything passed in must be fake (made in the caller's ``FakeTensorMode``); the effects are undone after.
     """
     started = time.perf_counter()
     size = batch_size(batch)
     options = GuardOptions(model=model, optimizer=optimizer, ladder=ladder, max_grad_norm=max_grad_norm)
     runner = build_runner(step_fn, options, item_counter=batch_size)  # fake tensors hold no labels to count
-    bench = _Bench(runner, batch, size, capacity, target, speed or DeviceSpeed(), host_budget)
-    if residue is not None:
-        residue.probe = bench.probe
+    bench = StepBench(runner, batch, size, capacity, target, speed or DeviceSpeed(), host_budget)
     bench.reads = PlaceholderReads(None if max_seconds is None else time.monotonic() + max_seconds)
-    # (the effects are undone inside: on the probe, not the caller's device; reads of values get placeholders)
-    with bench.probe, unpadded_masks(), bench.reads:
-        try:
-            bench.probe.adopt(model, _tensors(batch))
-            bench.run(split_batch(batch, 1)[0], Plan())  # a one-sample warm-up creates the optimizer state
-            context = dataclasses.replace(model_context(runner), batch_size=size)
-            budget = SearchBudget(search_seconds, known)
-            _measure(bench, options.rungs, context, plans, search_around, bf16, budget)
-        finally:
-            runner.effects.close()
+    composed = _composed(shallow, bench, options, residue if residue is not None else Residue())
+    budget = _planned(bench, composed, options.rungs, plans, search_around, bf16, search_seconds, known)
     candidates = bench.candidates if bf16 else _as_fp16(bench.candidates)
     # The fastest fitting plan by the time model (ties: the first measured, the one the ladder reached first).
     fitting = [c.plan for c in sorted((c for c in candidates if c.fits), key=lambda c: c.predicted_seconds)]
@@ -185,13 +123,41 @@ def dry_run(
         recommended=fitting[0] if fitting else None,
         seconds=time.perf_counter() - started,
         host_budget_bytes=host_budget,
-        fake_steps=bench.steps,
+        fake_steps=bench.steps + (composed.steps if composed is not None else 0),
         complete=budget.complete,
+        composed=composed is not None and composed.steps > 0 and not composed.refuted,
     )
 
 
+def _planned(
+    bench: StepBench,
+    composed: Composed | None,
+    ladder: Ladder,
+    plans: Sequence[Plan] | None,
+    search_around: Plan | None,
+    bf16: bool,
+    search_seconds: float | None,
+    known: dict[Plan, Candidate] | None,
+) -> SearchBudget:
+    """What :func:`dry_run` measures, on ``bench`` or composed from shallow steps, and confirmed; the effects undone
+    after (on the probes, not the caller's device; reads of values get placeholders). The search's budget."""
+    with unpadded_masks():
+        try:
+            if composed is None:
+                bench.warm()  # a one-sample warm-up creates the optimizer state (the deep model's: when confirming)
+            context = dataclasses.replace(model_context(bench.runner), batch_size=bench.size)
+            budget = SearchBudget(search_seconds, known)
+            _measure(composed or bench, ladder, context, plans, search_around, bf16, budget)
+            if composed is not None and not confirm(bench, composed.composed):
+                composed.refuted = True  # (the walk followed a wrong composition: walked again, in full)
+                budget = _again(bench, ladder, context, plans, search_around, bf16, search_seconds)
+        finally:
+            close(bench, *(composed.benches.values() if composed is not None else ()))
+    return budget
+
+
 def _measure(
-    bench: _Bench,
+    bench: Bench,
     ladder: Ladder,
     context: RungContext,
     plans: Sequence[Plan] | None,
@@ -216,6 +182,22 @@ def _measure(
             walk(bench, ladder, context, start=master)
 
 
+def _again(
+    bench: StepBench,
+    ladder: Ladder,
+    context: RungContext,
+    plans: Sequence[Plan] | None,
+    search_around: Plan | None,
+    bf16: bool,
+    search_seconds: float | None,
+) -> SearchBudget:
+    """:func:`_measure` once more, every plan in full, the composed candidates forgotten."""
+    bench.candidates.clear()
+    budget = SearchBudget(search_seconds)
+    _measure(bench, ladder, context, plans, search_around, bf16, budget)
+    return budget
+
+
 def _as_fp16(candidates: list[Candidate]) -> list[Candidate]:
     """The candidates of a dry run measured in bf16 (fp16's GradScaler reads values fake tensors do not have) for a
     device without bf16: fp16 autocast keeps the same sizes; the master level has none (its weights on the device
@@ -224,112 +206,46 @@ def _as_fp16(candidates: list[Candidate]) -> list[Candidate]:
     return [dataclasses.replace(c, plan=_fp16(c.plan)) for c in kept]
 
 
-class _Bench:
-    """Measures plans: each one's peak, on two micro-batches after the plan's effects are applied."""
-
-    def __init__(
-        self,
-        runner: StepRunner,
-        batch: Any,
-        size: int,
-        capacity: int,
-        target: Target,
-        speed: DeviceSpeed,
-        host_budget: int | None = None,
-    ) -> None:
-        self.runner, self.batch, self.size, self.capacity, self.target = runner, batch, size, capacity, target
-        self.speed, self.host_budget = speed, host_budget
-        self.budget = tensor_budget(capacity, target)
-        self.probe = _Probe(self.budget, _phase_of(runner))
-        self.reads = PlaceholderReads()
-        self.candidates: list[Candidate] = []
-        self.steps = 0  # fake steps run
-
-    def run(self, batch: Any, plan: Plan) -> None:
-        """One step (nothing holds signals around a step of fake tensors: there is nothing an interrupt can split)."""
-        self.steps += 1
-        self.reads.new_step()
-        self.runner.run(batch, batch_size(batch), plan, self.probe)
-
-    def measure(self, plan: Plan) -> tuple[Candidate, int]:
-        """The plan's measurement, and the memory resident when its step began."""
-        probe = self.probe
-        self.runner.effects.apply(plan, probe)  # as in any step but the plan's first: offloaded state moved
-        self.runner.transaction.release_host_copies()  # (the journal's copies are added below, not measured)
-        base = probe.start()
-        batch = _two_micro_batches(self.batch, plan, self.size)
-        with FlopCount() as counted:
-            self.run(batch, plan)
-        peak = probe.max_memory_allocated()
-        # The first step on a plan is journaled (the runner forgets the step's bound when a plan moves memory), and
-        # its copies stay on the host through the next step: on top of what the fast step measured here; unless
-        # they would not fit the host budget, where the guard skips the journal (OptimizerTransaction).
-        host, journal = probe.max_host_memory_allocated(), self.runner.transaction.journal_bytes
-        journaled = self.host_budget is None or host + journal <= self.host_budget
-        host += journal if journaled else 0
-        overhead = device_overhead(peak, self.target)
-        on_device = peak + overhead <= self.capacity
-        on_host = self.host_budget is None or host <= self.host_budget
-        run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
-        transfers = probe.transfers(run, parts)
-        # (copies overlap compute on a CUDA device only: under the simulator a copy is a memcpy on the same thread)
-        overlapped = probe.overlapped(run, parts) if self.target == "cuda" else 0
-        seconds = self.speed.seconds(
-            flops=counted.total * parts / run,
-            precision=plan.precision,
-            transfer_bytes=transfers,
-            host_params=self._host_params(plan),
-            micro_batches=parts,
-            ops=counted.ops * parts / run,
-            overlapped_bytes=overlapped,
-        )
-        phase = None if on_device else probe.failing_phase(base)
-        fits = on_device and on_host
-        candidate = Candidate(plan, peak, overhead, fits, phase, transfers, seconds, host, on_host, journaled)
-        self.candidates.append(candidate)
-        return self.candidates[-1], base
-
-    def _host_params(self, plan: Plan) -> int:
-        """Parameters the optimizer steps on the host on ``plan``: all of them with optimizer offload, else those of
-        the offloaded blocks (the first ones)."""
-        target = self.runner.effects.target
-        if plan.optimizer_offload:
-            return sum(p.numel() for g in target.optimizer.param_groups for p in g["params"] if p.requires_grad)
-        blocks = target.blocks[: plan.offload_layers]
-        return sum(p.numel() for block in blocks for p in block.parameters() if p.requires_grad)
-
-
-def _phase_of(runner: StepRunner) -> Callable[[], Phase]:
-    """The runner's phase, read through a weak reference (see :class:`_Probe`)."""
-    held = weakref.ref(runner)
-    return lambda: getattr(getattr(held(), "progress", None), "phase", Phase.DONE)
-
-
 @dataclasses.dataclass
 class Residue:
-    """What a dry run's device still holds once the dry run is over: the storages of fake tensors someone kept
+    """What a dry run's devices still hold once the dry run is over: the storages of fake tensors someone kept
     (see :func:`oomguard._planner.isolation.leftovers`)."""
 
-    probe: AccountedDevice | None = None
+    probes: list[AccountedDevice] = dataclasses.field(default_factory=list)
 
     def storages(self) -> set[int]:
         """Identities of the dry run's storages still alive."""
-        return self.probe.live_storages() if self.probe is not None else set()
-
-
-def _two_micro_batches(batch: Any, plan: Plan, size: int) -> Any:
-    """The first two micro-batches of ``batch`` on ``plan``: the same peak as all of them, in less time.
-
-    The first micro-batch runs without gradients resident, the second with them, and every later one exactly
-    like the second; the optimizer step does not depend on the batch at all.
-    """
-    micro = plan.effective_micro_batch_size(size)
-    return split_batch(batch, 2 * micro)[0] if 2 * micro < size else batch
+        return {key for probe in self.probes for key in probe.live_storages()}
 
 
 def _fp16(plan: Plan) -> Plan:
     return plan.replace(precision="fp16") if plan.precision is not None else plan
 
 
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor)]
+def _composed(shallow: Shallow | None, deep: StepBench, options: GuardOptions, residue: Residue) -> Composed | None:
+    """The bench composing ``deep``'s plans from shallow ones, where ``shallow`` is given and the model is deep
+    enough to gain from it; None: every plan is measured on ``deep``. ``residue`` is told every bench's device."""
+    residue.probes.append(deep.probe)
+    blocks = len(deep.runner.effects.target.blocks)
+    if shallow is None or blocks < MIN_BLOCKS:
+        return None
+    return Composed(deep, blocks, _shallow(shallow, deep.batch, options, deep, residue))
+
+
+def _shallow(
+    shallow: Shallow | None, batch: Any, options: GuardOptions, deep: StepBench, residue: Residue
+) -> Callable[[int], StepBench]:
+    """``Composed``'s maker of shallow benches: the model of ``n`` blocks, on the deep bench's terms."""
+
+    def make(blocks: int) -> StepBench:
+        assert shallow is not None
+        made = ShallowModel(*shallow(blocks))
+        given = dataclasses.replace(options, model=made.model, optimizer=made.optimizer)
+        with made.around() if made.around is not None else contextlib.nullcontext():
+            runner = build_runner(made.step_fn, given, item_counter=batch_size)  # (its effects: on the blocks kept)
+        bench = StepBench(runner, batch, deep.size, deep.capacity, deep.target, deep.speed, deep.host_budget)
+        bench.reads, bench.around = deep.reads, made.around
+        residue.probes.append(bench.probe)
+        return bench
+
+    return make

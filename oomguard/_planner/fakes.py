@@ -24,10 +24,11 @@ from torch.utils._pytree import tree_map
 from oomguard._backends.dispatch import plain_tensors
 from oomguard._backends.memory import MemoryBackend
 from oomguard._backends.units import available_bytes, format_bytes, requested_bytes
+from oomguard._effects.blocks import find_blocks
 from oomguard._effects.effects import Effects
 from oomguard._ladder.plan import Plan
 from oomguard._options import GuardOptions
-from oomguard._planner.engine import Residue, dry_run
+from oomguard._planner.engine import Residue, ShallowModel, dry_run
 from oomguard._planner.isolation import Kept, leftovers
 from oomguard._planner.report import CUDA_CONTEXT_BYTES, Candidate, PlanReport, Target
 from oomguard._planner.speed import DeviceSpeed
@@ -158,8 +159,48 @@ def _dry_run(
         return dry_run(
             step_fn, fake_batch, model=model, optimizer=fake_optimizer, capacity=capacity, target=target,
             label=type(model).__name__, ladder=options.rungs.rungs, max_grad_norm=options.max_grad_norm,
-            residue=residue, max_seconds=MAX_SECONDS, **planning,
+            residue=residue, max_seconds=MAX_SECONDS, shallow=_shallow(step_fn, model, fake_optimizer), **planning,
         )  # fmt: skip
+
+
+def _shallow(
+    step_fn: Callable[[Any], Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> Callable[[int], ShallowModel] | None:
+    """``dry_run``'s ``shallow`` for the guard's own model: the step function calls that model object, so a
+    shallow copy is the model itself with its block container cut to the first ``n`` blocks while it runs, and an
+    optimizer of the same class and options over what is left (None: the model has no block container)."""
+    container = _block_container(model)
+    if container is None:
+        return None
+
+    def make(blocks: int) -> ShallowModel:
+        with _cut(container, blocks):
+            kept = {id(p) for p in model.parameters()}
+        groups = [{**g, "params": [p for p in g["params"] if id(p) in kept]} for g in optimizer.param_groups]
+        fewer: torch.optim.Optimizer = cast(Any, type(optimizer))(groups)
+        return ShallowModel(step_fn, model, fewer, around=lambda: _cut(container, blocks))
+
+    return make
+
+
+def _block_container(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The ``ModuleList`` (or ``Sequential``) that holds the model's repeated blocks, if one holds them all."""
+    blocks = find_blocks(model)
+    for module in model.modules():
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and list(module.children()) == blocks:
+            return module
+    return None
+
+
+@contextlib.contextmanager
+def _cut(container: torch.nn.Module, blocks: int) -> Iterator[None]:
+    """``container`` holding its first ``blocks`` blocks only, inside the block."""
+    whole = dict(container._modules)
+    try:
+        container._modules = dict(list(whole.items())[:blocks])
+        yield
+    finally:
+        container._modules = whole
 
 
 @contextlib.contextmanager

@@ -124,6 +124,9 @@ class PlanReport:
     fake_steps: int = 0
     #: False: the search ran out of its time (``search_seconds``) before it measured every configuration.
     complete: bool = True
+    #: True: the candidates' figures were composed from steps of shallow copies of the model, and the recommended
+    #: plan's measured with a full step (:mod:`oomguard._planner.compose`); False: every candidate was measured so.
+    composed: bool = False
 
     @property
     def baseline_peak_bytes(self) -> int:
@@ -186,6 +189,7 @@ class PlanReport:
             "candidates": [c.to_dict(self.batch_size, self.host_budget_bytes) for c in self.candidates],
             "seconds": round(self.seconds, 2),
             "fake_steps": self.fake_steps,
+            "composed": self.composed,
         }
 
     def table(self) -> str:
@@ -222,7 +226,8 @@ class PlanReport:
                 f"of {format_bytes(self.capacity_bytes)}, {format_bytes(chosen.host_bytes)} of host memory; the "
                 f"fastest fitting plan by the device model ({chosen.predicted_seconds:.2f} s a step)."
             )
-        lines.append(f"(planned in {self.seconds:.1f} s on fake tensors)")
+        how = "composed from 2- and 3-block steps, the recommendation confirmed in full" if self.composed else "full"
+        lines.append(f"(planned in {self.seconds:.1f} s on fake tensors: {self.fake_steps} steps, {how})")
         return "\n".join(lines)
 
     def _row(self, index: int, c: Candidate) -> str:

@@ -32,7 +32,7 @@ def make_llama(seed: int = 0, layers: int = 2, hidden: int = 32) -> torch.nn.Mod
     return model
 
 
-def make_qwen2(seed: int = 0, vocab: int = 2048, hidden: int = 32) -> torch.nn.Module:
+def make_qwen2(seed: int = 0, vocab: int = 2048, hidden: int = 32, layers: int = 2) -> torch.nn.Module:
     """A tiny Qwen2 with tied embeddings and a vocabulary larger than its hidden size by far: a model the
     chunked_loss rung applies to (its forward calls ``self.lm_head`` and then ``self.loss_function``)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -42,7 +42,7 @@ def make_qwen2(seed: int = 0, vocab: int = 2048, hidden: int = 32) -> torch.nn.M
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,

@@ -1,0 +1,208 @@
+"""A deep model's plan measured on shallow copies of it: a decoder stack is one block N times, so the planner
+traces the model with two or three blocks and composes what N blocks would measure.
+
+Within each phase of a step (forward, backward, clipping, the optimizer step), every figure the planner takes of
+a plan (the phase's peak, what was resident when the step began, host memory, the journal, host<->device bytes,
+FLOPs and operations) is affine in the number of identical blocks: each block adds its weights, gradients,
+optimizer state and saved activations, and the embedding, the head and the loss are there once whatever the depth.
+So two shallow traces give a figure's intercept and its slope, and the N-block figure follows. Where a plan
+streams some of the blocks (``offload_layers``), resident and streamed blocks each have their slope: three traces.
+Partial checkpointing checkpoints every other block, so its unit is a pair of blocks.
+
+A shallow step costs a fraction of a deep one (the cost of a fake step is per operator dispatched), so the walk
+and the search run at a fraction of their cost; the plan they recommend is then confirmed with one full fake step
+of the deep model (:func:`confirm`), which replaces the composed figures with measured ones. ``oomguard plan
+--exact`` (``plan(..., exact=True)``) measures every candidate on the deep model instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from oomguard._ladder.plan import Phase, Plan
+from oomguard._planner.reads import DryRunLimit
+from oomguard._planner.report import Candidate
+
+__all__ = ["MIN_BLOCKS", "Composed", "Trace", "compose", "confirm", "points"]
+
+logger = logging.getLogger("oomguard")
+
+#: The fewest blocks a model needs for its plans to be composed (a shallower one is measured as it is): two shallow
+#: steps of two and three blocks cost what a step of about twelve does where the embedding, head and loss weigh as
+#: much as four blocks (a small model's), so composing pays from about there.
+MIN_BLOCKS = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """What one fake step of a plan measured (or what a composition of such steps predicts)."""
+
+    base: int  # device bytes resident when the step began
+    #: The device peak of each phase of each micro-batch (forward and backward: a peak is affine in the blocks only
+    #: within one: the first micro-batch runs without gradients resident, the second with them), in the order run.
+    phases: tuple[tuple[tuple[Phase, int], int], ...]
+    crossed: Phase | None  # the phase in which usage first passed the bench's budget (None: it never did)
+    host: int  # the host peak, the journal aside
+    journal: int  # the journal's host copies of the plan's first step
+    transfers: int  # host<->device bytes of the whole step
+    overlapped: int  # of which copies run beside the compute (on CUDA)
+    flops: float  # matrix FLOPs of the whole step
+    ops: float  # operations dispatched in the whole step
+
+    @property
+    def peak(self) -> int:
+        """The device peak of the step."""
+        return max([self.base, *(peak for _, peak in self.phases)])
+
+    def failing_phase(self, budget: int) -> Phase:
+        """The phase a plan past ``budget`` fails in, as far as the rungs are concerned.
+
+        What is resident before the step (weights, optimizer state) or needed by the optimizer step cannot be
+        relieved by rungs that shrink activations: that is an optimizer-phase failure, whichever allocation
+        would have been the first to fail.
+        """
+        late = max((peak for (phase, _), peak in self.phases if phase in (Phase.CLIP, Phase.OPTIMIZER)), default=0)
+        if self.base > budget or late > budget:
+            return Phase.OPTIMIZER
+        return self.crossed or Phase.FORWARD
+
+
+def points(plan: Plan, blocks: int) -> list[tuple[Plan, int, float]]:
+    """The shallow steps that compose ``plan`` on a model of ``blocks`` blocks: (the plan on the shallow model,
+    its blocks, the weight of its figures in the composition); the weights sum to 1.
+
+    >>> [(p.offload_layers, n, w) for p, n, w in points(Plan(), 22)]
+    [(0, 2, -19.0), (0, 3, 20.0)]
+    >>> [(p.offload_layers, n, w) for p, n, w in points(Plan(offload_layers=5), 22)]
+    [(1, 2, -19.0), (1, 3, 16.0), (2, 3, 4.0)]
+    """
+    unit = 2 if plan.checkpointing == "partial" else 1  # (every other block: a pair is the unit that repeats)
+    streamed = plan.offload_layers
+    resident = blocks - streamed
+    if streamed == 0 or resident == 0:
+        low, high = 2 * unit, 3 * unit
+        scale = (blocks - low) / (high - low)
+        return [
+            (plan.replace(offload_layers=low if streamed else 0), low, 1 - scale),
+            (plan.replace(offload_layers=high if streamed else 0), high, scale),
+        ]
+    more_resident, more_streamed = (resident - unit) / unit, (streamed - unit) / unit
+    return [
+        (plan.replace(offload_layers=unit), 2 * unit, 1 - more_resident - more_streamed),
+        (plan.replace(offload_layers=unit), 3 * unit, more_resident),
+        (plan.replace(offload_layers=2 * unit), 3 * unit, more_streamed),
+    ]
+
+
+def compose(traces: list[tuple[Trace, float]], budget: int) -> Trace:
+    """The trace of the deep step: each figure the weighted sum of the shallow ones' (see :func:`points`). The
+    phase that first crosses ``budget`` is taken as the first phase, in the order they ran, whose composed peak
+    does."""
+
+    def total(figure: Callable[[Trace], float]) -> float:
+        return sum(weight * figure(trace) for trace, weight in traces)
+
+    def rounded(figure: Callable[[Trace], float]) -> int:
+        return max(0, round(total(figure)))
+
+    def phase_peak(key: tuple[Phase, int]) -> Callable[[Trace], float]:
+        return lambda trace: dict(trace.phases).get(key, trace.base)
+
+    phases = tuple((key, rounded(phase_peak(key))) for key, _ in traces[-1][0].phases)
+    crossed = next((phase for (phase, _), peak in phases if peak > budget), None)
+    return Trace(
+        base=rounded(lambda t: t.base), phases=phases, crossed=crossed, host=rounded(lambda t: t.host),
+        journal=rounded(lambda t: t.journal), transfers=rounded(lambda t: t.transfers),
+        overlapped=rounded(lambda t: t.overlapped), flops=max(0.0, total(lambda t: t.flops)),
+        ops=max(0.0, total(lambda t: t.ops)),
+    )  # fmt: skip
+
+
+class Deep(Protocol):
+    """What :class:`Composed` needs of the engine's bench on the deep model."""
+
+    batch: Any
+    size: int
+    budget: int
+    runner: Any
+    candidates: list[Candidate]
+
+    def measure(self, plan: Plan) -> tuple[Candidate, int]: ...
+
+    def judge(self, plan: Plan, trace: Trace) -> Candidate: ...
+
+
+class Composed:
+    """A bench (:class:`~oomguard._planner.walk.Bench`) whose measurements of the deep model are composed from
+    shallow benches: ``shallow(n)`` is a bench of the same model with ``n`` blocks (made once, when first needed),
+    whose ``trace(plan)`` runs a fake step. Where a shallow step fails, this plan and every later one is measured
+    on the deep model instead."""
+
+    def __init__(self, deep: Deep, blocks: int, shallow: Callable[[int], Any]) -> None:
+        self.deep, self.blocks, self._make = deep, blocks, shallow
+        self.batch, self.size, self.budget, self.runner = deep.batch, deep.size, deep.budget, deep.runner
+        self.candidates = deep.candidates
+        self.benches: dict[int, Any] = {}
+        #: The candidates composed so far (not measured in full); why composing stopped, if it did.
+        self.composed: list[Candidate] = []
+        self.failed: str | None = None
+        self.refuted = False  # every composed plan that fitted did not in full: the dry run measured all in full
+        self._traces: dict[tuple[Plan, int], Trace] = {}
+
+    @property
+    def steps(self) -> int:
+        """Fake steps run on the shallow models."""
+        return sum(bench.steps for bench in self.benches.values())
+
+    def measure(self, plan: Plan) -> tuple[Candidate, int]:
+        if self.failed is None:
+            try:
+                traces = [(self._trace(shallow, n), weight) for shallow, n, weight in points(plan, self.blocks)]
+            except DryRunLimit:
+                raise
+            except Exception as error:  # a model that does not run with fewer blocks (indexed by a count, say)
+                self.failed = f"{type(error).__name__}: {error}"
+                logger.debug("planner: measuring every plan in full (a shallow copy failed: %s)", self.failed)
+            else:
+                trace = compose(traces, self.budget)
+                self.composed.append(self.deep.judge(plan, trace))
+                return self.composed[-1], trace.base
+        return self.deep.measure(plan)
+
+    def _trace(self, plan: Plan, blocks: int) -> Trace:
+        """The shallow step, run once: plans that differ only in how many of the deep model's blocks they stream
+        share their shallow steps (a walk down layer offload's levels costs its first level's)."""
+        if (plan, blocks) not in self._traces:
+            self._traces[plan, blocks] = self._bench(blocks).trace(plan)
+        return self._traces[plan, blocks]
+
+    def _bench(self, blocks: int) -> Any:
+        if blocks not in self.benches:
+            self.benches[blocks] = self._make(blocks)
+        return self.benches[blocks]
+
+
+def confirm(deep: Deep, composed: list[Candidate]) -> bool:
+    """Measure on the deep model the composed plan predicted fastest among those that fit, in its place in
+    ``deep.candidates``; again with the next one where the full step does not fit after all. False where every
+    composed plan that fitted was refuted so (the walk stopped on a composition that was wrong: measure in full).
+
+    A composition errs on the side of fitting: where a phase's peak is the larger of two figures that grow at
+    different rates with the blocks (the head's backward, the stack's), the line through two shallow depths
+    passes below the deeper ones'. So a plan the composition says does not fit does not.
+    """
+    refuted = False
+    while True:
+        fitting = sorted((c for c in composed if c.fits), key=lambda c: c.predicted_seconds)
+        if not fitting:
+            return not refuted
+        composed.remove(fitting[0])
+        where = next(i for i, c in enumerate(deep.candidates) if c is fitting[0])
+        measured, _ = deep.measure(fitting[0].plan)
+        deep.candidates[where] = deep.candidates.pop()  # (measure appended it)
+        if measured.fits:
+            return True
+        refuted = True

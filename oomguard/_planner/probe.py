@@ -1,0 +1,77 @@
+"""The dry-run planner's device: unlimited, accounting every fake tensor as a simulated GPU does, and noting what a
+plan's step measures (each phase's peak, the phase that first passed the budget, the host<->device bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from oomguard._backends.accounting import AccountedDevice
+from oomguard._backends.memory import nbytes
+from oomguard._ladder.plan import Phase
+
+__all__ = ["Probe"]
+
+_UNLIMITED = 2**62
+
+
+class Probe(AccountedDevice):
+    """An unlimited simulated device that notes in which phase usage first passed ``budget``, and the peak of
+    each phase. ``phase`` must not hold the runner: the probe's storage finalizers outlive the dry run."""
+
+    def __init__(self, budget: int, phase: Callable[[], Phase], micro_batch: Callable[[], int]) -> None:
+        super().__init__(_UNLIMITED, name="planner", on_allocate=self._note)
+        self.budget = budget
+        self.per_micro_batch = self.per_step = 0  # host<->device bytes of the step measured now
+        self.beside = 0  # of ``per_micro_batch``: device-to-host copies a side stream runs beside the compute
+        self.crossed: Phase | None = None
+        #: Peak by phase and micro-batch (a micro-batch's forward, its backward; then clipping, the optimizer step).
+        self.phase_peaks: dict[tuple[Phase, int], int] = {}
+        self._phase_of, self._micro_batch = phase, micro_batch
+
+    def start(self) -> int:
+        """Measure a new step from here; returns what is resident now."""
+        self.reset_peak_memory_stats()
+        self.crossed, self.phase_peaks = None, {}
+        self.per_micro_batch = self.per_step = self.beside = 0
+        return self.memory_allocated()
+
+    def transfers(self, micro_batches_run: int, micro_batches: int) -> int:
+        """Host<->device bytes of a whole step with ``micro_batches``, from a run of ``micro_batches_run``: what
+        the forward and backward copied is per micro-batch, the rest (the optimizer's journal) per step."""
+        return self.per_micro_batch * micro_batches // micro_batches_run + self.per_step
+
+    def overlapped(self, micro_batches_run: int, micro_batches: int) -> int:
+        """Of :meth:`transfers`, the bytes copied beside the compute: on CUDA a device-to-host copy during forward
+        and backward runs on the backend's copy stream, and the compute waits for none of it."""
+        return self.beside * micro_batches // micro_batches_run
+
+    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self._phase_of() in (Phase.FORWARD, Phase.BACKWARD):
+            self.beside += nbytes(tensor)
+        self._attribute(tensor)
+        return super().to_host(tensor, out)
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._attribute(tensor)
+        return super().to_device(tensor)
+
+    def upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        self._attribute(host)
+        super().upload(device, host)
+
+    def _attribute(self, tensor: torch.Tensor) -> None:
+        moved = nbytes(tensor)
+        if self._phase_of() in (Phase.FORWARD, Phase.BACKWARD):
+            self.per_micro_batch += moved
+        else:
+            self.per_step += moved
+
+    def _note(self, allocated: int) -> None:
+        """The ``on_allocate`` observer: after every allocation, and every resize of a tracked storage."""
+        phase = self._phase_of()
+        key = (phase, self._micro_batch() if phase in (Phase.FORWARD, Phase.BACKWARD) else 0)
+        self.phase_peaks[key] = max(self.phase_peaks.get(key, 0), allocated)
+        if self.crossed is None and allocated > self.budget:
+            self.crossed = phase
