@@ -246,12 +246,12 @@ class TunedEvent(Event):
 
 @dataclass(frozen=True)
 class PlannedEvent(Event):
-    """``preplan=True``, at the first call: ``plan`` is the plan the job starts on, the one the dry-run planner
-    recommended (``recommended`` is False where it recommended none: no plan on the ladder fits, or the step
-    cannot be planned, and ``plan`` is the plan the job starts on anyway). ``skipped``: no dry run, the state file
-    remembered plans for this model and device (``"state_file"``), or the guard had recorded the answer for a
-    batch of this shape (``"recorded"``); None where it planned. ``planning_seconds`` and ``fake_steps`` are what
-    planning cost (0 where it was skipped)."""
+    """``preplan=True``, at the first call: ``plan`` is the plan the job starts on. ``recommended``: the dry-run
+    planner recommended it (False: no plan on the ladder fits, the step cannot be planned, or planning was skipped
+    for the state file, whose plan for this batch's bucket ``plan`` then is, the default where it has none).
+    ``skipped``: no dry run, the state file remembered plans for this model and device (``"state_file"``), or the
+    guard had recorded the answer for a batch of this shape (``"recorded"``); None where it planned.
+    ``planning_seconds`` and ``fake_steps``: what planning cost (0 where it was skipped)."""
 
     kind: ClassVar[str] = "planned"
     recommended: bool

@@ -219,7 +219,8 @@ class Foresight:
         planned = self.planned(batch, backend, "preplan", distributed)
         plan, report = planned.plan, planned.report
         if plan is None:
-            description = "no plan recommended (see the log); starting on the default plan"
+            seen = "a recorded answer" if planned.recorded else "see the log"
+            description = f"no plan recommended ({seen}); starting on the default plan"
         else:
             description = f"starting on {plan.describe(size)}"
         if report is not None and plan is not None:
