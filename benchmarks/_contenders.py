@@ -159,14 +159,15 @@ def run_composer(scenario: Scenario) -> tuple[RunRecord, torch.nn.Module]:
 
 
 class _PreplanClock(logging.Handler):
-    """Notes when the guard logs its preplan outcome: the dry run's time is from the first call to then."""
+    """Notes when the guard logs its preplan outcome (its ``planned`` event's line, ``step 0: preplan: ...``, or
+    the planner's warning, ``preplan: ...``): the dry run's time is from the first call to then."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.at: float | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self.at is None and record.getMessage().startswith("preplan:"):
+        if self.at is None and "preplan:" in record.getMessage():
             self.at = time.perf_counter()
 
     @contextmanager

@@ -32,6 +32,7 @@ __all__ = [
     "FallbackEvent",
     "JsonlSink",
     "OOMEvent",
+    "PlannedEvent",
     "ProgressEvent",
     "RecoveredEvent",
     "RelaxEvent",
@@ -164,6 +165,9 @@ class FallbackEvent(Event):
     ``memory_at_failure`` is the picture when the previous plan failed, ``memory`` the one after recovery.
     ``rung`` is the rung engaged (the deepest one, for a jump); ``engaged`` names every rung a jump to the
     plan the dry-run planner predicted engaged at once, and is empty for a single rung down.
+    ``planning_seconds`` and ``fake_steps`` are what the dry run before it cost (a jump's; or one that knew no
+    better, before a single rung down): 0 where the guard did not plan, or took an answer it had recorded for
+    the same batch shape (:mod:`oomguard._guard.answers`).
     """
 
     kind: ClassVar[str] = "fallback"
@@ -172,6 +176,8 @@ class FallbackEvent(Event):
     memory_at_failure: MemorySnapshot
     description: str
     engaged: tuple[str, ...] = ()
+    planning_seconds: float = 0.0
+    fake_steps: int = 0
 
     def describe(self) -> str:
         return f"step {self.step}: falling back to {self.rung}: {self.description}"
@@ -236,6 +242,26 @@ class TunedEvent(Event):
 
     def describe(self) -> str:
         return f"step {self.step}: timed {len(self.timings)} plans that fit: {self.description}"
+
+
+@dataclass(frozen=True)
+class PlannedEvent(Event):
+    """``preplan=True``, at the first call: ``plan`` is the plan the job starts on. ``recommended``: the dry-run
+    planner recommended it (False: no plan on the ladder fits, the step cannot be planned, or planning was skipped
+    for the state file, whose plan for this batch's bucket ``plan`` then is, the default where it has none).
+    ``skipped``: no dry run, the state file remembered plans for this model and device (``"state_file"``), or the
+    guard had recorded the answer for a batch of this shape (``"recorded"``); None where it planned.
+    ``planning_seconds`` and ``fake_steps``: what planning cost (0 where it was skipped)."""
+
+    kind: ClassVar[str] = "planned"
+    recommended: bool
+    skipped: str | None
+    description: str
+    planning_seconds: float = 0.0
+    fake_steps: int = 0
+
+    def describe(self) -> str:
+        return f"step {self.step}: preplan: {self.description}"
 
 
 @dataclass(frozen=True)

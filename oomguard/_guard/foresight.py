@@ -3,6 +3,9 @@ plan runs fastest.
 
 * **The jump.** On the first OOM of a batch bucket that never fitted, the planner runs the failing batch on fake
   tensors and the guard jumps to the plan it recommends, instead of walking the ladder one rung per OOM.
+* **Recorded answers.** The jump and preplan take an answer the guard recorded for a batch of the same shape
+  (in this process, or in the state file by an earlier run) where it holds for the room there is now, instead of
+  a new dry run (:mod:`oomguard._guard.answers`); their events count the fake steps each ran (0 then).
 * **Tuning.** The ladder stops at the first plan that fits, not the fastest: on one device micro-batches of 1 in
   bf16 may be the slowest plan that fits, on another the fastest. Once a bucket has run ``tune_after`` clean
   steps on the plan it fell back to, the planner searches every configuration of the rungs
@@ -20,26 +23,31 @@ plan runs fastest.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from oomguard._backends.memory import MemoryBackend, MemorySnapshot
+from oomguard._backends.memory import MemoryBackend, MemorySnapshot, snapshot
+from oomguard._backends.units import format_bytes
 from oomguard._effects.effects import Effects
-from oomguard._events import TunedEvent, logger
+from oomguard._events import PlannedEvent, TunedEvent, logger
+from oomguard._guard.answers import Answers
 from oomguard._guard.buckets import Buckets, Choice
 from oomguard._guard.call import Call
+from oomguard._guard.persist import PlanStore
 from oomguard._guard.recovery import Failure
 from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Plan
 from oomguard._options import GuardOptions
-from oomguard._planner.fakes import memory_was_short, preplan
-from oomguard._planner.report import Candidate
+from oomguard._planner.fakes import memory_was_short, planning_capacity, preplan
+from oomguard._planner.report import Candidate, PlanReport
 from oomguard._planner.speed import DeviceSpeed, measure_speed
+from oomguard._step.batch import batch_size
 
-__all__ = ["MIN_SEARCH_SECONDS", "SEARCH_STEPS", "TIMED", "TRIALS", "Foresight", "Tuned"]
+__all__ = ["MIN_SEARCH_SECONDS", "SEARCH_STEPS", "TIMED", "TRIALS", "Foresight", "Jumped", "Planned", "Tuned"]
 
 #: Alternatives to the settled plan timed on real steps, and timed steps on each (after one warm-up step).
 TRIALS, TIMED = 3, 2
@@ -76,6 +84,30 @@ class _Tuning:
 
     def next(self) -> None:
         self.index, self.calls = self.index + 1, 0
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The planner's answer for a batch (``plan``: None where it recommends none or cannot tell), whether it was a
+    recorded one (:mod:`oomguard._guard.answers`), and what finding it cost."""
+
+    plan: Plan | None
+    recorded: bool
+    seconds: float
+    fake_steps: int
+    report: PlanReport | None = None  # (None: a recorded answer, or a step the planner cannot plan)
+
+
+@dataclass(frozen=True)
+class Jumped:
+    """A jump's answer: the plan to jump to and the rungs it engages (None and empty: the planner knows no
+    better than the walk), what its dry run cost, and whether it was a recorded answer (no dry run)."""
+
+    plan: Plan | None
+    engaged: tuple[str, ...]
+    seconds: float
+    fake_steps: int
+    recorded: bool = False  # an answer recorded for a batch of the same shape: no dry run
 
 
 @dataclass(frozen=True)
@@ -132,6 +164,7 @@ class Foresight:
         self._tuning: dict[int, _Tuning] = {}
         #: The guard's host budget (set at its first call): the planner's plans past it do not fit.
         self.host_budget: int | None = None
+        self.answers = Answers(options, bf16)
 
     def reset(self) -> None:
         """Forget every bucket (a plan assigned by hand)."""
@@ -140,10 +173,75 @@ class Foresight:
         self._searches.clear()
         self._tuning.clear()
 
+    def start(self, prefix: str, store: PlanStore | None) -> None:
+        """At the guard's first call: the model and device the answers are for (``prefix``, as the state file's
+        keys begin), and the state file's ``store``, whose recorded answers are taken and kept."""
+        self.answers.start(prefix, store)
+
+    def planned(self, batch: Any, backend: MemoryBackend, purpose: str, distributed: bool = False) -> Planned:
+        """The planner's answer for ``batch``: a recorded one that holds for the room there is now, or a dry
+        run's (recorded for the next batch of this shape)."""
+        if not distributed:  # (the planner does not plan under torch.distributed: nothing was recorded there)
+            recorded = self.answers.get(batch, planning_capacity(self.options, backend), self.host_budget)
+            if recorded is not None:
+                return Planned(recorded.plan, True, 0.0, 0)
+        started = time.perf_counter()
+        report = preplan(
+            self.step_fn,
+            batch,
+            self.options,
+            backend,
+            bf16=self.bf16,
+            distributed=distributed,
+            purpose=purpose,
+            effects=self.effects,
+            host_budget=self.host_budget,
+        )
+        seconds = time.perf_counter() - started
+        if report is None:  # (logged: a step the planner cannot run, fakes that escaped, no device to plan for)
+            return Planned(None, False, seconds, 0)
+        self.answers.put(batch, report)
+        return Planned(report.recommended, False, seconds, report.fake_steps, report)
+
+    def preplan(
+        self, batch: Any, backend: MemoryBackend, step: int, distributed: bool, remembered: dict[int, Plan]
+    ) -> tuple[Plan | None, PlannedEvent]:
+        """``preplan=True`` at the first call: the plan to start every bucket on (None: leave the buckets as they
+        are), and the ``planned`` event that says so. No dry run where the state file ``remembered`` plans (a
+        remembered plan beats a predicted one)."""
+        size, memory = batch_size(batch), snapshot(backend)
+        if remembered:
+            own = remembered.get(self.options.bucket(batch))
+            start = "" if own is None else f"; this batch's bucket starts on {own.describe(size)}"
+            description = f"no dry run: the state file remembers plans for {len(remembered)} bucket(s){start}"
+            event = PlannedEvent(step, (own or Plan()).to_dict(), memory, False, "state_file", description)
+            return None, event
+        planned = self.planned(batch, backend, "preplan", distributed)
+        plan, report = planned.plan, planned.report
+        if plan is None:
+            seen = "a recorded answer" if planned.recorded else "see the log"
+            description = f"no plan recommended ({seen}); starting on the default plan"
+        else:
+            description = f"starting on {plan.describe(size)}"
+        if report is not None and plan is not None:
+            needs = format_bytes(report.predicted_peak_bytes + report.device_overhead_bytes)
+            description += f" (predicted peak {needs} of {format_bytes(report.capacity_bytes)} available)"
+        cost = (
+            "a recorded answer for a batch of this shape"
+            if planned.recorded
+            else f"planned in {planned.seconds:.3g} s, {planned.fake_steps} fake steps"
+        )
+        skipped = "recorded" if planned.recorded else None
+        event = PlannedEvent(
+            step, (plan or Plan()).to_dict(), memory, plan is not None, skipped, f"{description}; {cost}",
+            round(planned.seconds, 3), planned.fake_steps,
+        )  # fmt: skip
+        return plan, event
+
     # -- the jump ---------------------------------------------------------------------------------------
-    def jump(self, call: Call, failure: Failure, distributed: bool) -> tuple[tuple[str, ...], Plan] | None:
+    def jump(self, call: Call, failure: Failure, distributed: bool) -> Jumped | None:
         """On the first OOM of a bucket that never fitted: the plan the dry-run planner predicts fits this batch,
-        and the rungs it engages (None: walk the ladder, as after any other OOM, and where it cannot plan)."""
+        and the rungs it engages (None: no dry run; walk the ladder, as after any other OOM)."""
         if not (
             self.options.predictive
             and len(call.tried) == 1
@@ -154,19 +252,12 @@ class Foresight:
             and memory_was_short(failure.summary.message, self.device)
         ):
             return None
-        report = preplan(
-            self.step_fn,
-            call.batch,
-            self.options,
-            call.backend,
-            bf16=self.bf16,
-            purpose="jump",
-            effects=self.effects,
-            host_budget=self.host_budget,
-        )
-        plan = None if report is None else report.recommended
+        planned = self.planned(call.batch, call.backend, "jump")
+        plan = planned.plan
         engaged = () if plan is None else self.ladder.changed(failure.plan, plan, call.size)
-        return (engaged, plan) if plan is not None and engaged else None  # (none: it knows no better)
+        if not engaged:  # (it knows no better)
+            plan = None
+        return Jumped(plan, engaged, planned.seconds, planned.fake_steps, planned.recorded)
 
     # -- tuning -----------------------------------------------------------------------------------------
     def choose(self, choice: Choice, batch: Any, size: int, backend: MemoryBackend) -> Choice:

@@ -36,7 +36,6 @@ from oomguard._guard.results import GuardSummary, StepResult
 from oomguard._guard.tally import Tally
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._options import GuardOptions, build_runner, model_context, takes_options
-from oomguard._planner.fakes import preplan
 from oomguard._step.batch import batch_size, items_per_sample
 from oomguard._step.outcome import AttemptFailure, AttemptOutput
 from oomguard._step.runner import Reduction
@@ -93,11 +92,12 @@ class OOMGuard:
         self._tally = Tally()
         self._emit = Emitter([self._tally, *self.options.sinks])  # (shared with the loop: neither holds the other)
         self._escalation = Escalation(self._buckets, self._context, self.effects.target.activation_host)
+        walk = Walk(self.ladder, self._escalation)
         policies: list[Policy] = [
             FailedTrial(self._foresight),
             FailedStepUp(self._buckets, self._emit),
-            Jump(self._foresight),
-            walk := Walk(self.ladder, self._escalation),
+            Jump(self._foresight, walk),
+            walk,
         ]
         self._loop = Loop(
             self._runner,
@@ -351,24 +351,18 @@ class OOMGuard:
             path = Path(self.options.log_file)
             log = JsonlSink(path if rank == 0 else path.with_suffix(f".rank{rank}{path.suffix}"))
             self._emit.sinks = [self._tally, log, *self.options.sinks]
+        fingerprint, store = model_fingerprint(unwrap(self.model)), None
         if self.options.state_file is not None:  # every rank reads the plans; only rank 0 writes them
-            fingerprint = model_fingerprint(unwrap(self.model))
             store = PlanStore(self.options.state_file, fingerprint, backend.identity(), writable=rank == 0)
             # (only the plans this ladder could reach for this model, optimizer and device: see Ladder.beyond)
             self._buckets.load(store, self._escalation.context(backend, size, self._runner.agreement is not None))
-        if self.options.preplan and not self._buckets.plans():  # a remembered plan beats a predicted one
-            report = preplan(
-                self._step_fn,
-                batch,
-                self.options,
-                backend,
-                bf16=self._context.bf16_supported,
-                distributed=self._runner.agreement is not None,
-                effects=self.effects,
-                host_budget=self._host_budget,
-            )
-            if report is not None and report.recommended is not None:
-                self.plan = report.recommended
+        self._foresight.start(f"{fingerprint}|{backend.identity()}|", store)  # (the answers the planner recorded)
+        if self.options.preplan:  # (no dry run where the state file remembers plans: they beat a predicted one)
+            distributed = self._runner.agreement is not None
+            planned, event = self._foresight.preplan(batch, backend, self.steps, distributed, self._buckets.plans())
+            if planned is not None:
+                self.plan = planned
+            self._emit(event)
         self._started = True  # only now: a first call that failed here starts over, state file included
 
     def _state_file_saved(self, error: OSError | None) -> None:

@@ -198,8 +198,11 @@ class Loop:
             self.rung = move.rung
             change = f"{failure.plan.describe(call.size)} -> {move.plan.describe(call.size)}{move.how}"
             before, memory = failure.plan.to_dict(), failure.summary.memory
+            planning = round(move.planning_seconds, 3), move.fake_steps
             self.emit(
-                FallbackEvent(call.step, move.plan.to_dict(), freed, move.rung, before, memory, change, move.engaged)
+                FallbackEvent(
+                    call.step, move.plan.to_dict(), freed, move.rung, before, memory, change, move.engaged, *planning
+                )
             )
         return move.plan
 

@@ -11,6 +11,9 @@ every bucket on the plan that fitted.
   save, stays small however many models and buckets have used it.
 * **Forgiving.** A missing, corrupt, deeply nested or mismatched file is ignored with one logged warning, never
   a crash, and the next save replaces it.
+* **Answers.** Beside the plans, the file keeps the dry-run planner's recorded answers for this model and device
+  (``"answers"``, bounded the same way: :mod:`oomguard._guard.answers`), so a restarted job plans nothing it
+  planned before. A file without them (an older one) loads as before; its next save adds them.
 * **Filtered.** A plan another job saved under the same key (the same model and device) is taken only if this
   job's ladder could have come to it here: the loader passes the ladder's reasons to refuse it, and refused plans
   are named in the same one warning.
@@ -70,17 +73,26 @@ class PlanStore:
         self.path = Path(path)
         self.prefix = f"{fingerprint}|{device}|"
         self.writable = writable  # under distributed training only rank 0 writes
+        #: This model and device's recorded answers (:mod:`oomguard._guard.answers`): those :meth:`load` read, and
+        #: those added since, all written by every :meth:`save`.
+        self.answers: dict[str, dict[str, Any]] = {}
 
     def load(self, refuse: Callable[[Plan], Sequence[str]] | None = None) -> dict[int, Plan]:
-        """The saved plans for this model and device, by bucket; empty (with one warning) if there are none.
+        """The saved plans for this model and device, by bucket; empty (with one warning) if there are none. Its
+        recorded answers go to :attr:`answers`.
 
         ``refuse`` says why this job cannot take a plan (:meth:`~oomguard._ladder.ladder.Ladder.beyond`: a rung
         not on its ladder, a level it cannot reach); such plans are ignored, named with their reasons in the same
         one warning as unreadable entries.
         """
-        entries = self._read(warn=True)
-        if entries is None:
+        document = self._read(warn=True)
+        if document is None:
             return {}
+        entries: dict[str, Any] = document["plans"]
+        answers = document.get("answers")
+        if isinstance(answers, dict):  # (an older file has none)
+            ours = {key: entry for key, entry in answers.items() if key.startswith(self.prefix) and _is_answer(entry)}
+            self.answers = {key: {k: v for k, v in entry.items() if k != "updated"} for key, entry in ours.items()}
         plans: dict[int, Plan] = {}
         ignored: list[str] = []
         for key, entry in entries.items():
@@ -123,8 +135,8 @@ class PlanStore:
             return
         for _ in range(_RACES):
             with locked(self.path) as holding:  # False: there is no file to lock yet
-                entries = (self._read(warn=False) or {}) if holding else {}
-                text = self._document(entries, plans)
+                document = (self._read(warn=False) or {}) if holding else {}
+                text = self._document(document, plans)
                 if holding:
                     atomic_write(self.path, text)
                 elif not create(self.path, text):
@@ -133,21 +145,32 @@ class PlanStore:
             return
         raise OSError(f"{self.path} could neither be opened nor created (a dangling symbolic link?)")
 
-    def _document(self, entries: dict[str, Any], plans: dict[int, Plan]) -> str:
-        """The file's new text: ``entries`` read from it, with this model's plans replaced, within the bounds."""
+    def _document(self, document: dict[str, Any], plans: dict[int, Plan]) -> str:
+        """The file's new text: the ``document`` read from it, with this model's plans and answers replaced, within
+        the bounds."""
         now = datetime.now().astimezone().isoformat(timespec="milliseconds")
-        ours: dict[str, Any] = {}
-        for bucket, plan in plans.items():
-            key, data = f"{self.prefix}{bucket}", plan.to_dict()
+        entries: dict[str, Any] = document.get("plans") or {}
+        answers = document.get("answers")
+        ours = {f"{self.prefix}{bucket}": {"plan": plan.to_dict()} for bucket, plan in plans.items()}
+        merged = {"plans": self._merged(entries, ours, now, _is_entry)}
+        merged["answers"] = self._merged(answers if isinstance(answers, dict) else {}, self.answers, now, _is_answer)
+        return json.dumps({"format": _FORMAT, "version": _VERSION, **merged}, indent=1, sort_keys=True) + "\n"
+
+    def _merged(
+        self, entries: dict[str, Any], ours: dict[str, dict[str, Any]], now: str, valid: Callable[[Any], bool]
+    ) -> dict[str, Any]:
+        """``entries`` with this model's replaced by ``ours`` (stamped ``now`` where they changed), within the
+        bounds; ``valid`` says which of the others are worth keeping."""
+        stamped: dict[str, Any] = {}
+        for key, data in ours.items():
             previous = entries.get(key)
-            unchanged = isinstance(previous, dict) and previous.get("plan") == data
+            unchanged = isinstance(previous, dict) and {k: v for k, v in previous.items() if k != "updated"} == data
             updated = previous.get("updated") if unchanged and isinstance(previous, dict) else None
-            ours[key] = {"plan": data, "updated": updated if isinstance(updated, str) else now}
-        ours = _newest(ours, PER_MODEL, TOTAL)
+            stamped[key] = {**data, "updated": updated if isinstance(updated, str) else now}
+        stamped = _newest(stamped, PER_MODEL, TOTAL, valid)
         others = {key: entry for key, entry in entries.items() if not key.startswith(self.prefix)}
-        kept = _newest(others, PER_MODEL, TOTAL - len(ours))  # this job's plans always stay: they were just saved
-        document = {"format": _FORMAT, "version": _VERSION, "plans": {**kept, **ours}}
-        return json.dumps(document, indent=1, sort_keys=True) + "\n"
+        kept = _newest(others, PER_MODEL, TOTAL - len(stamped), valid)  # this job's always stay: just saved
+        return {**kept, **stamped}
 
     def _read(self, warn: bool) -> dict[str, Any] | None:
         try:
@@ -177,8 +200,7 @@ class PlanStore:
                     str(error)[:200],
                 )
             return None
-        plans: dict[str, Any] = document["plans"]
-        return plans
+        return document
 
 
 def _refusals(refuse: Callable[[Plan], Sequence[str]] | None, plan: Plan) -> Sequence[str]:
@@ -214,7 +236,21 @@ def _is_entry(entry: Any) -> bool:
     return all(isinstance(value, _Scalar) for key, value in entry.items() if key != "plan")
 
 
-def _newest(entries: dict[str, Any], per_model: int, limit: int) -> dict[str, Any]:
+def _is_answer(entry: Any) -> bool:
+    """Whether ``entry`` is worth keeping among the answers: plain values, and a flat plan or none."""
+    if not isinstance(entry, dict) or "plan" not in entry:
+        return False
+    try:
+        if entry["plan"] is not None:
+            _plan_of(entry)
+    except (KeyError, TypeError):
+        return False
+    return all(isinstance(value, _Scalar) for key, value in entry.items() if key != "plan")
+
+
+def _newest(
+    entries: dict[str, Any], per_model: int, limit: int, valid: Callable[[Any], bool] = _is_entry
+) -> dict[str, Any]:
     """The most recently updated of ``entries``: at most ``per_model`` of each model and device (the key's part
     before the bucket), ``limit`` in all; ties by key, so every writer keeps the same.
 
@@ -228,7 +264,7 @@ def _newest(entries: dict[str, Any], per_model: int, limit: int) -> dict[str, An
         if len(kept) >= limit:
             break
         model = key.rpartition("|")[0]
-        if counts.get(model, 0) < per_model and _is_entry(entries[key]):
+        if counts.get(model, 0) < per_model and valid(entries[key]):
             counts[model] = counts.get(model, 0) + 1
             kept[key] = entries[key]
     return kept

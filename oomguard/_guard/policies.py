@@ -44,6 +44,9 @@ class Move:
     rung: str | None = None  # the rung it engages, named in a fallback event (None: a plan the bucket had)
     engaged: tuple[str, ...] = ()  # every rung a jump engaged
     how: str = ""  # said after the change in the fallback event
+    #: What the dry run that came to it cost (a jump's): said in the fallback event.
+    planning_seconds: float = 0.0
+    fake_steps: int = 0
 
 
 class Policy(Protocol):
@@ -88,14 +91,19 @@ class FailedStepUp:
 @dataclass(frozen=True)
 class Jump:
     foresight: Foresight
+    walk: Walk  # where the jump knows no better
     escalates: ClassVar[bool] = True
 
     def __call__(self, call: Call, failure: Failure, distributed: bool, bounded: bool) -> Move | None:
         jump = None if bounded else self.foresight.jump(call, failure, distributed)
         if jump is None:
             return None
-        engaged, plan = jump
-        return Move(plan, engaged[-1], engaged, " (the dry-run planner's prediction)")
+        seconds, steps = jump.seconds, jump.fake_steps
+        if jump.plan is None:  # it knows no better: the walk's move, which the fallback event says the dry run cost
+            move = self.walk(call, failure, distributed, bounded)
+            return None if move is None else dataclasses.replace(move, planning_seconds=seconds, fake_steps=steps)
+        how = " (the dry-run planner's prediction" + (", recorded for a batch of this shape)" if jump.recorded else ")")
+        return Move(jump.plan, jump.engaged[-1], jump.engaged, how, seconds, steps)
 
 
 @dataclass

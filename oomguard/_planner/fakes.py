@@ -33,7 +33,7 @@ from oomguard._planner.isolation import Kept, leftovers
 from oomguard._planner.report import CUDA_CONTEXT_BYTES, Candidate, PlanReport, Target
 from oomguard._planner.speed import DeviceSpeed
 
-__all__ = ["MAX_SECONDS", "memory_was_short", "preplan"]
+__all__ = ["MAX_SECONDS", "memory_was_short", "planning_capacity", "preplan"]
 
 logger = logging.getLogger("oomguard")
 #: A bound on one dry run of the guard's (the jump, preplan, tuning), so that a step that cannot be planned never
@@ -78,15 +78,13 @@ def preplan(
     if step_fn in _LEAKY:
         logger.info("%s: off for this step, whose dry run kept fake tensors (see the warning then)", purpose)
         return None
-    model, optimizer = options.model, options.optimizer
-    total = backend.total_memory()
+    model = options.model
     device = next(model.parameters()).device
-    if total is None or not (backend.tracks_allocations or device.type == "cuda"):
+    capacity = planning_capacity(options, backend)
+    if capacity is None:
         logger.info("%s: no device memory to plan for (%s)", purpose, device)
         return None
     target: Target = "simulated" if backend.tracks_allocations else "cuda"
-    resident = _resident_bytes(backend, model, optimizer)
-    capacity = _limit(total, device, target) - (backend.memory_allocated() - resident)
     residue = Residue()
     report, failure = None, None
     try:
@@ -99,6 +97,19 @@ def preplan(
     # (outside the except block: its traceback, which holds the dry run's frames and their fakes, is gone)
     searched = search_around is not None or plans is not None
     return _answer(report, failure, leftovers(residue.storages), step_fn, purpose, capacity, searched)
+
+
+def planning_capacity(options: GuardOptions, backend: MemoryBackend) -> int | None:
+    """The device memory a dry run of the guard's step plans in now: what this process may use, less what is in
+    use besides the model and the optimizer state (which the planner measures itself); None where there is no
+    device memory to plan for (a CPU without the simulator)."""
+    total = backend.total_memory()
+    device = next(options.model.parameters()).device
+    if total is None or not (backend.tracks_allocations or device.type == "cuda"):
+        return None
+    target: Target = "simulated" if backend.tracks_allocations else "cuda"
+    resident = _resident_bytes(backend, options.model, options.optimizer)
+    return _limit(total, device, target) - (backend.memory_allocated() - resident)
 
 
 def _answer(
@@ -139,7 +150,7 @@ def _answer(
         logger.warning("%s: no plan on the ladder fits %s", purpose, format_bytes(capacity))
     else:
         logger.log(
-            logging.INFO if purpose == "preplan" else logging.DEBUG,  # (a jump's fallback event says it)
+            logging.DEBUG,  # (the guard's event says it: a jump's fallback event, preplan's planned event)
             "%s: starting on %s (predicted peak %s of %s available)",
             purpose,
             report.recommended.describe(report.batch_size),
