@@ -73,6 +73,7 @@ from helpers.sweep import (
 from oomguard import FallbackEvent, OOMGuard, Plan
 from oomguard._detect import is_oom
 from oomguard._distributed.agreement import Agreement
+from oomguard._effects.hoststep import HostStep
 from oomguard.testing import SimulatedGPU
 
 TINY_CONFIGS = rung_configs(TINY.blocks)
@@ -105,9 +106,17 @@ def record(workload: Workload, name: str, result: Sweep, seconds: float) -> None
         figures.write(line)
 
 
-def check_sweep(workload: Workload, name: str, plan: Plan, sample: Sample, phases: set[str], steps: int = 2) -> None:
+def check_sweep(
+    workload: Workload,
+    name: str,
+    plan: Plan,
+    sample: Sample,
+    phases: set[str],
+    steps: int = 2,
+    host_step: HostStep = "exact",
+) -> None:
     started = time.monotonic()
-    result = sweep(plan, sample, workload=workload, steps=steps)
+    result = sweep(plan, sample, workload=workload, steps=steps, host_step=host_step)
     record(workload, name, result, time.monotonic() - started)
     assert not result.failures, "\n".join(result.failures[:20])
     assert result.survived == result.injected > 0
@@ -138,6 +147,48 @@ def test_an_oom_at_sampled_allocations_of_a_step_loses_nothing(name: str) -> Non
 @pytest.mark.parametrize("name", TINY_CONFIGS)
 def test_an_oom_at_every_allocation_of_a_step_loses_nothing(name: str) -> None:
     check_sweep(TINY, name, TINY_CONFIGS[name], every_allocation, PHASES)
+
+
+# The fused host step (host_step="fused", the guard's default for Adam and AdamW: torch's fused CPU kernel steps what
+# the plan keeps on the host), on both levels of optimizer_offload: the master level's stepped weights go up to the
+# device as the step reaches them. Every guard of these sweeps, faulted and fault-free, steps fused, and each
+# fault-free step is compared with the user's loop within rounding (helpers.sweep.FUSED_TOLERANCE); the faulted
+# ones with the fault-free ones bit for bit, as above. The others above step with host_step="exact".
+FUSED_CONFIGS = {name: TINY_CONFIGS[name] for name in ("optimizer offload", "optimizer offload, master weights")}
+
+
+def _fused_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per call of torch's fused AdamW kernel (the sweeps' optimizer is AdamW)."""
+    calls: list[int] = []
+    kernel = torch._fused_adamw_
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    return calls
+
+
+def check_fused_sweep(name: str, sample: Sample, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fused_kernel_calls(monkeypatch)
+    check_sweep(TINY, f"{name}, fused host step", FUSED_CONFIGS[name], sample, PHASES, host_step="fused")
+    assert calls, "torch's fused CPU AdamW stepped the host"
+
+
+@pytest.mark.parametrize("name", FUSED_CONFIGS)
+def test_an_oom_at_sampled_allocations_of_a_step_with_the_fused_host_step_loses_nothing(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check_fused_sweep(name, phase_edges, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FUSED_CONFIGS)
+def test_an_oom_at_every_allocation_of_a_step_with_the_fused_host_step_loses_nothing(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check_fused_sweep(name, every_allocation, monkeypatch)
 
 
 # The Llama's first step (Adam building its state), on every configuration but all rungs at once: ~400 to ~1500
