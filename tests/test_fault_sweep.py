@@ -151,9 +151,10 @@ def test_an_oom_at_every_allocation_of_a_step_loses_nothing(name: str) -> None:
 
 # The fused host step (host_step="fused", the guard's default for Adam and AdamW: torch's fused CPU kernel steps what
 # the plan keeps on the host), on both levels of optimizer_offload: the master level's stepped weights go up to the
-# device as the step reaches them. Every guard of these sweeps, faulted and fault-free, steps fused, and each
-# fault-free step is compared with the user's loop within rounding (helpers.sweep.FUSED_TOLERANCE); the faulted
-# ones with the fault-free ones bit for bit, as above. The others above step with host_step="exact".
+# device bucket by bucket as the host step goes on (here a bucket a parameter). Every guard of these sweeps, faulted
+# and fault-free, steps fused, and each fault-free step is compared with the user's loop within rounding
+# (helpers.sweep.FUSED_TOLERANCE); the faulted ones with the fault-free ones bit for bit, as above. The others above
+# step with host_step="exact".
 FUSED_CONFIGS = {name: TINY_CONFIGS[name] for name in ("optimizer offload", "optimizer offload, master weights")}
 
 
@@ -171,6 +172,8 @@ def _fused_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def check_fused_sweep(name: str, sample: Sample, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every parameter a bucket of its own: each goes up before the next steps (oomguard/_effects/ascent.py).
+    monkeypatch.setattr("oomguard._effects.hoststep.BUCKET_ELEMENTS", 1)
     calls = _fused_kernel_calls(monkeypatch)
     check_sweep(TINY, f"{name}, fused host step", FUSED_CONFIGS[name], sample, PHASES, host_step="fused")
     assert calls, "torch's fused CPU AdamW stepped the host"

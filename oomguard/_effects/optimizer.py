@@ -116,6 +116,13 @@ class OptimizerOffloadEffect(Effect):
     def after_backward(self) -> None:
         self._level.lend_masters()
 
+    def host_stepped(self, params: list[torch.Tensor]) -> None:
+        self._level.host_stepped(params)  # (the master level's stepped weights go up as the step goes on)
+
+    @property
+    def uploaded_beside(self) -> int:
+        return self._level.ascent.beside if self._level.engaged else 0
+
     def reset(self) -> None:
         self._level.prepare()
 

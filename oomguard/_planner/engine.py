@@ -272,8 +272,11 @@ class _Bench:
         on_host = self.host_budget is None or host <= self.host_budget
         run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
         transfers = probe.transfers(run, parts)
-        # (copies overlap compute on a CUDA device only: under the simulator a copy is a memcpy on the same thread)
-        overlapped = probe.overlapped(run, parts) if self.target == "cuda" else 0
+        # (copies overlap compute, or the host step, on a CUDA device only: under the simulator a copy is a memcpy
+        # on the same thread)
+        cuda = self.target == "cuda"
+        overlapped = probe.overlapped(run, parts) if cuda else 0
+        uploaded_beside = self.runner.effects.uploaded_beside if cuda else 0
         seconds = self.speed.seconds(
             flops=counted.total * parts / run,
             precision=plan.precision,
@@ -282,6 +285,7 @@ class _Bench:
             micro_batches=parts,
             ops=counted.ops * parts / run,
             overlapped_bytes=overlapped,
+            uploaded_beside_bytes=uploaded_beside,
         )
         phase = None if on_device else probe.failing_phase(base)
         fits = on_device and on_host
