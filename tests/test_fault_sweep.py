@@ -23,6 +23,7 @@ after them on a running guard, and of a Llama's first two with its masters on th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import helpers.hostsweep
 import helpers.sweep
 import pytest
 import torch
@@ -323,6 +325,35 @@ def test_a_failed_host_allocation_anywhere_in_a_llama_step_with_host_masters_is_
     second on a guard that ran the first."""
     name = "optimizer offload, master weights"
     check_host_sweep(LLAMA, name, LLAMA_CONFIGS[name], every_host_allocation, HOST_PHASES[name], steps=1)
+
+
+def _fused_host_rigs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The host sweep's guards step the host fused, a bucket a parameter (as ``check_fused_sweep``); the calls of
+    the fused kernel."""
+    monkeypatch.setattr("oomguard._effects.hoststep.BUCKET_ELEMENTS", 1)
+    monkeypatch.setattr(helpers.hostsweep, "make_rig", functools.partial(helpers.sweep.make_rig, host_step="fused"))
+    return _fused_kernel_calls(monkeypatch)
+
+
+@pytest.mark.parametrize("name", FUSED_CONFIGS)
+def test_a_failed_host_allocation_at_sampled_points_of_a_fused_host_step_is_not_escalated_and_commits_nothing(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _fused_host_rigs(monkeypatch)
+    check_host_sweep(TINY, f"{name}, fused", FUSED_CONFIGS[name], HOST_SAMPLES[name], HOST_PHASES[name], steps=1)
+    assert calls, "torch's fused CPU AdamW stepped the host"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FUSED_CONFIGS)
+def test_a_failed_host_allocation_anywhere_in_a_fused_host_step_is_not_escalated_and_commits_nothing(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every host allocation of the first step, and of the second on a guard that ran the first (a third, on level
+    1, allocates nothing on the host at all: the fused kernel makes no temporaries)."""
+    calls = _fused_host_rigs(monkeypatch)
+    check_host_sweep(TINY, f"{name}, fused", FUSED_CONFIGS[name], every_host_allocation, HOST_PHASES[name], steps=1)
+    assert calls, "torch's fused CPU AdamW stepped the host"
 
 
 def test_the_host_sweep_sees_a_host_fault_escalated_as_a_device_oom(monkeypatch: pytest.MonkeyPatch) -> None:
