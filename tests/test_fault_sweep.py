@@ -23,6 +23,7 @@ after them on a running guard, and of a Llama's first two with its masters on th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import helpers.hostsweep
 import helpers.sweep
 import pytest
 import torch
@@ -73,6 +75,7 @@ from helpers.sweep import (
 from oomguard import FallbackEvent, OOMGuard, Plan
 from oomguard._detect import is_oom
 from oomguard._distributed.agreement import Agreement
+from oomguard._effects.hoststep import HostStep
 from oomguard.testing import SimulatedGPU
 
 TINY_CONFIGS = rung_configs(TINY.blocks)
@@ -105,9 +108,17 @@ def record(workload: Workload, name: str, result: Sweep, seconds: float) -> None
         figures.write(line)
 
 
-def check_sweep(workload: Workload, name: str, plan: Plan, sample: Sample, phases: set[str], steps: int = 2) -> None:
+def check_sweep(
+    workload: Workload,
+    name: str,
+    plan: Plan,
+    sample: Sample,
+    phases: set[str],
+    steps: int = 2,
+    host_step: HostStep = "exact",
+) -> None:
     started = time.monotonic()
-    result = sweep(plan, sample, workload=workload, steps=steps)
+    result = sweep(plan, sample, workload=workload, steps=steps, host_step=host_step)
     record(workload, name, result, time.monotonic() - started)
     assert not result.failures, "\n".join(result.failures[:20])
     assert result.survived == result.injected > 0
@@ -138,6 +149,51 @@ def test_an_oom_at_sampled_allocations_of_a_step_loses_nothing(name: str) -> Non
 @pytest.mark.parametrize("name", TINY_CONFIGS)
 def test_an_oom_at_every_allocation_of_a_step_loses_nothing(name: str) -> None:
     check_sweep(TINY, name, TINY_CONFIGS[name], every_allocation, PHASES)
+
+
+# The fused host step (host_step="fused", the guard's default for Adam and AdamW: torch's fused CPU kernel steps what
+# the plan keeps on the host), on both levels of optimizer_offload: the master level's stepped weights go up to the
+# device bucket by bucket as the host step goes on (here a bucket a parameter). Every guard of these sweeps, faulted
+# and fault-free, steps fused, and each fault-free step is compared with the user's loop within rounding
+# (helpers.sweep.FUSED_TOLERANCE); the faulted ones with the fault-free ones bit for bit, as above. The others above
+# step with host_step="exact".
+FUSED_CONFIGS = {name: TINY_CONFIGS[name] for name in ("optimizer offload", "optimizer offload, master weights")}
+
+
+def _fused_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per call of torch's fused AdamW kernel (the sweeps' optimizer is AdamW)."""
+    calls: list[int] = []
+    kernel = torch._fused_adamw_
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    return calls
+
+
+def check_fused_sweep(name: str, sample: Sample, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every parameter a bucket of its own: each goes up before the next steps (oomguard/_effects/ascent.py).
+    monkeypatch.setattr("oomguard._effects.hoststep.BUCKET_ELEMENTS", 1)
+    calls = _fused_kernel_calls(monkeypatch)
+    check_sweep(TINY, f"{name}, fused host step", FUSED_CONFIGS[name], sample, PHASES, host_step="fused")
+    assert calls, "torch's fused CPU AdamW stepped the host"
+
+
+@pytest.mark.parametrize("name", FUSED_CONFIGS)
+def test_an_oom_at_sampled_allocations_of_a_step_with_the_fused_host_step_loses_nothing(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check_fused_sweep(name, phase_edges, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FUSED_CONFIGS)
+def test_an_oom_at_every_allocation_of_a_step_with_the_fused_host_step_loses_nothing(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check_fused_sweep(name, every_allocation, monkeypatch)
 
 
 # The Llama's first step (Adam building its state), on every configuration but all rungs at once: ~400 to ~1500
@@ -269,6 +325,35 @@ def test_a_failed_host_allocation_anywhere_in_a_llama_step_with_host_masters_is_
     second on a guard that ran the first."""
     name = "optimizer offload, master weights"
     check_host_sweep(LLAMA, name, LLAMA_CONFIGS[name], every_host_allocation, HOST_PHASES[name], steps=1)
+
+
+def _fused_host_rigs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The host sweep's guards step the host fused, a bucket a parameter (as ``check_fused_sweep``); the calls of
+    the fused kernel."""
+    monkeypatch.setattr("oomguard._effects.hoststep.BUCKET_ELEMENTS", 1)
+    monkeypatch.setattr(helpers.hostsweep, "make_rig", functools.partial(helpers.sweep.make_rig, host_step="fused"))
+    return _fused_kernel_calls(monkeypatch)
+
+
+@pytest.mark.parametrize("name", FUSED_CONFIGS)
+def test_a_failed_host_allocation_at_sampled_points_of_a_fused_host_step_is_not_escalated_and_commits_nothing(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _fused_host_rigs(monkeypatch)
+    check_host_sweep(TINY, f"{name}, fused", FUSED_CONFIGS[name], HOST_SAMPLES[name], HOST_PHASES[name], steps=1)
+    assert calls, "torch's fused CPU AdamW stepped the host"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FUSED_CONFIGS)
+def test_a_failed_host_allocation_anywhere_in_a_fused_host_step_is_not_escalated_and_commits_nothing(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every host allocation of the first step, and of the second on a guard that ran the first (a third, on level
+    1, allocates nothing on the host at all: the fused kernel makes no temporaries)."""
+    calls = _fused_host_rigs(monkeypatch)
+    check_host_sweep(TINY, f"{name}, fused", FUSED_CONFIGS[name], every_host_allocation, HOST_PHASES[name], steps=1)
+    assert calls, "torch's fused CPU AdamW stepped the host"
 
 
 def test_the_host_sweep_sees_a_host_fault_escalated_as_a_device_oom(monkeypatch: pytest.MonkeyPatch) -> None:

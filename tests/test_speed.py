@@ -76,6 +76,36 @@ def test_on_cuda_the_copies_down_beside_forward_and_backward_cost_only_what_the_
     assert [c.predicted_seconds for c in simulated] == [c.predicted_seconds for c in simulated_added]
 
 
+def test_on_cuda_the_master_levels_weights_going_up_beside_the_host_step_cost_only_what_it_does_not_hide(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 27: each bucket of the master level's stepped weights goes up while the host steps the next
+    (oomguard/_effects/ascent.py); the model added the copies to the host step."""
+    monkeypatch.setattr("oomguard._effects.hoststep.BUCKET_ELEMENTS", 4096)  # (a tiny model's host step in buckets)
+    plans = [Plan(precision="bf16", optimizer_offload="master"), Plan(optimizer_offload=True)]
+    slow = DeviceSpeed(link_gbps=0.05, host_params_per_second=1e6)  # (copies and host step both count)
+
+    def predicted(target: str) -> list[Any]:
+        with FakeTensorMode():
+            model = make_llama(layers=2, hidden=64)
+            return list(dry_run(
+                model_step(model), lm_batch(2, 32), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                capacity=2**40, target=target, label="llama", plans=plans, speed=slow,
+            ).candidates)  # fmt: skip
+
+    beside, simulated = predicted("cuda"), predicted("simulated")
+    monkeypatch.setattr("oomguard._effects.effects.Effects.uploaded_beside", property(lambda self: 0))
+    added, simulated_added = predicted("cuda"), predicted("simulated")
+    master, level1 = zip(beside, added, strict=True)
+    assert master[0].transfer_bytes == master[1].transfer_bytes, "the same copies"
+    saved = master[1].predicted_seconds - master[0].predicted_seconds
+    params = sum(p.numel() for p in make_llama(layers=2, hidden=64).parameters())
+    weights_up = 2 * params / (slow.link_gbps * 1e9)  # (the bf16 weights over the link)
+    assert 0.5 * weights_up < saved < weights_up, "all but the last bucket's copies hidden behind the host step"
+    assert level1[0].predicted_seconds == level1[1].predicted_seconds, "level 1's weights go up after the step"
+    assert [c.predicted_seconds for c in simulated] == [c.predicted_seconds for c in simulated_added], "a memcpy"
+
+
 def test_the_recommendation_is_the_fastest_fitting_plan() -> None:
     report = candidates()
     fitting = [c for c in report.candidates if c.fits]

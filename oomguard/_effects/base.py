@@ -134,6 +134,15 @@ class Effect:
     def after_backward(self) -> None:
         """The last micro-batch's backward is done: hand over what clipping and the optimizer step need."""
 
+    def host_stepped(self, params: list[torch.Tensor]) -> None:
+        """The optimizer step under way has stepped ``params`` on the host (one bucket of them, the rest of the
+        step still to come; see :mod:`oomguard._effects.hoststep`): what waits for them may start."""
+
+    @property
+    def uploaded_beside(self) -> int:
+        """Bytes the last optimizer step copied to the device while the host went on stepping (0: none)."""
+        return 0
+
     def reset(self) -> None:
         """An attempt failed: drop what its half-done forward or backward left behind."""
 

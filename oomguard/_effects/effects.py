@@ -130,8 +130,20 @@ class Effects:
                 if context is not None:
                     stack.enter_context(context)
             if plan.optimizer_offload or plan.offload_layers:  # (a plan stepping nothing on the host: no cost)
-                stack.enter_context(host_loops(self.target.optimizer, backend, self.host_step))  # (innermost)
+                loops = host_loops(self.target.optimizer, backend, self.host_step, stepped=self._host_stepped)
+                stack.enter_context(loops)  # (innermost)
             yield
+
+    def _host_stepped(self, params: list[torch.Tensor]) -> None:
+        """The step under way has stepped ``params`` on the host (a bucket): every effect hears of it."""
+        for effect in self._effects:
+            effect.host_stepped(params)
+
+    @property
+    def uploaded_beside(self) -> int:
+        """Bytes the last optimizer step copied to the device while the host went on stepping (the master level's
+        stepped weights, bucket by bucket): what the planner's time model lets the host step hide."""
+        return sum(effect.uploaded_beside for effect in self._effects)
 
     def scaler(self, plan: Plan) -> torch.amp.GradScaler | None:
         """A gradient scaler for an fp16 attempt, starting from the last committed scaler state."""

@@ -26,12 +26,18 @@ split for the step: its device part steps as the user configured it, so the devi
 loop or the fused kernel would be another speed, or other bits), and only the host part changes path. The groups
 change only while the optimizer's own ``step`` runs (step hooks): the scheduler, the step's journal and the user's
 hooks see them as the user built them, and so does everything after the step, whether it raised or not.
+
+Where the caller asks to hear of them (``stepped=``: the master level uploads each stepped weight as soon as it has
+one), the host part of a group steps as buckets of about :data:`BUCKET_ELEMENTS` elements, each a group of its own
+with the same entries (the state is per parameter: the same maths, bit for bit), and each bucket's parameters are
+reported as the optimizer's loop over its groups moves past it, while the next bucket steps. torch's optimizers
+listed in :data:`LOOPED_OPTIMIZERS` step each group whole in one pass of that loop; no others are changed here.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -39,7 +45,15 @@ import torch
 from oomguard._backends.memory import MemoryBackend
 from oomguard._effects.hooks import step_replaced
 
-__all__ = ["FUSED_OPTIMIZERS", "HOST_STEPS", "LOOPED_OPTIMIZERS", "HostStep", "host_loops"]
+__all__ = [
+    "BUCKET_ELEMENTS",
+    "FUSED_OPTIMIZERS",
+    "HOST_STEPS",
+    "LOOPED_OPTIMIZERS",
+    "HostStep",
+    "Stepped",
+    "host_loops",
+]
 
 #: How the host part of a step runs (see the module): torch's fused kernel, or the user's maths bit for bit.
 HostStep = Literal["fused", "exact"]
@@ -59,19 +73,31 @@ LOOPED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 #: The optimizers whose host part steps with torch's fused CPU kernel under ``host_step="fused"``.
 FUSED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 
+#: About how many elements of host parameters step as one bucket where the stepped ones are reported (see the
+#: module): 64 MiB of fp32 masters, 32 MiB of bf16 weights going up as the next bucket steps. A bucket holds whole
+#: parameters: one larger than this is a bucket of its own.
+BUCKET_ELEMENTS = 1 << 24
+
+#: What hears of each bucket of host parameters as soon as the step has stepped it (see the module).
+Stepped = Callable[[list[torch.Tensor]], None]
+
 
 @contextlib.contextmanager
 def host_loops(
-    optimizer: torch.optim.Optimizer, backend: MemoryBackend, host_step: HostStep = "fused"
+    optimizer: torch.optim.Optimizer,
+    backend: MemoryBackend,
+    host_step: HostStep = "fused",
+    stepped: Stepped | None = None,
 ) -> Iterator[None]:
     """Around an optimizer step: the host part of each group on the host path of ``host_step`` (see the module)
     while the optimizer's own ``step`` runs, and only then (from its last pre-hook to its first post-hook: the
     scheduler, the journal and the user's hooks see the groups as the user built them); everything as it was after
-    it, whether it raised or not."""
+    it, whether it raised or not. ``stepped`` hears of each bucket of host parameters the step has stepped, while
+    the step goes on (never of a bucket whose step raised)."""
     if not backend.offloads or type(optimizer) not in LOOPED_OPTIMIZERS:  # (a subclass may step otherwise)
         yield
         return
-    split = _HostSplit(backend, fuse=host_step == "fused" and type(optimizer) in FUSED_OPTIMIZERS)
+    split = _HostSplit(backend, fuse=host_step == "fused" and type(optimizer) in FUSED_OPTIMIZERS, stepped=stepped)
     before = optimizer.register_step_pre_hook(split.enter)  # (after the user's pre-hooks, registered earlier)
     after = optimizer.register_step_post_hook(split.leave)
     optimizer._optimizer_step_post_hooks.move_to_end(after.id, last=False)  # type: ignore[attr-defined]  # (first)
@@ -97,33 +123,38 @@ def host_loops(
 class _HostSplit:
     """The groups of one optimizer changed for its step (:meth:`enter`) and put back (:meth:`leave`)."""
 
-    def __init__(self, backend: MemoryBackend, fuse: bool) -> None:
-        self.backend, self.fuse = backend, fuse
+    def __init__(self, backend: MemoryBackend, fuse: bool, stepped: Stepped | None = None) -> None:
+        self.backend, self.fuse, self.stepped = backend, fuse, stepped
         self._groups: list[dict[str, Any]] | None = None  # the optimizer's list of groups, while changed
         self._changed: list[tuple[dict[str, Any], dict[str, Any]]] = []  # each group changed, its entries before
 
     def enter(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        """The host part of each group on its host path; a group stepping partly on the device split in two."""
+        """The host part of each group on its host path; a group stepping partly on the device split in two, and
+        its host part in buckets where they are reported."""
         self.leave(optimizer)  # (a step hook that stepped again would nest: never twice)
-        stepped: list[dict[str, Any]] = []  # the groups the step sees
+        stepped = _Stepping(self.stepped)  # the groups the step sees
         for group in optimizer.param_groups:
             settings = _host_settings(group, self.fuse)
             host = [p for p in group["params"] if p.grad is not None and not self.backend.is_device(p)]
             if self.fuse and host and not _fusable(host):  # (a bf16 gradient of an fp32 master, say: the loop)
                 settings = _host_settings(group, fuse=False)
-            if not host or not settings:
-                stepped.append(group)
+            buckets = _buckets(host) if self.stepped is not None else [host]
+            if not host or (not settings and len(buckets) == 1):
+                stepped.add(group, host)
                 continue
             on_host = {id(p) for p in host}
             device = [p for p in group["params"] if id(p) not in on_host]
+            if len(buckets) == 1 and not any(p.grad is not None for p in device):  # the group whole on the host
+                self._changed.append((group, {key: group[key] for key in settings}))
+                group.update(settings)
+                stepped.add(group, host)
+                continue
             if any(p.grad is not None for p in device):  # a mixed group: the device part keeps the user's group
                 self._changed.append((group, {"params": group["params"]}))
                 group["params"] = device
-                stepped += [group, {**group, **settings, "params": host}]
-            else:
-                self._changed.append((group, {key: group[key] for key in settings}))
-                group.update(settings)
-                stepped.append(group)
+                stepped.add(group, [])
+            for bucket in buckets:  # (copies of the group's entries: the state is the parameters')
+                stepped.add({**group, **settings, "params": bucket}, bucket)
         self._groups, optimizer.param_groups = optimizer.param_groups, stepped
 
     def leave(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -133,6 +164,41 @@ class _HostSplit:
         for group, before in reversed(self._changed):
             group.update(before)
         self._changed.clear()
+
+
+class _Stepping(list[dict[str, Any]]):
+    """The groups an optimizer steps (see :meth:`_HostSplit.enter`): iterated, it reports each group's host
+    parameters once the loop has moved past it (the group is stepped), where there is someone to hear of them."""
+
+    def __init__(self, stepped: Stepped | None) -> None:
+        super().__init__()
+        self._stepped = stepped
+        self._host: dict[int, list[torch.Tensor]] = {}  # by the group's identity: its host parameters
+
+    def add(self, group: dict[str, Any], host: list[torch.Tensor]) -> None:
+        self.append(group)
+        if host:
+            self._host[id(group)] = host
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for group in list.__iter__(self):
+            yield group
+            host = self._host.get(id(group))
+            if host and self._stepped is not None:  # (the loop asked for the next group: this one is stepped)
+                self._stepped(host)
+
+
+def _buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` in order, in buckets of about :data:`BUCKET_ELEMENTS` elements (whole parameters)."""
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for param in params:
+        if buckets[-1] and size + param.numel() > BUCKET_ELEMENTS:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(param)
+        size += param.numel()
+    return buckets
 
 
 def _host_settings(group: dict[str, Any], fuse: bool) -> dict[str, Any]:

@@ -3,22 +3,22 @@
 Each trainable fp32 parameter on the device becomes a bf16 copy of its fp32 master, kept on the host: weights take
 half the device memory, and the user's optimizer steps the masters there (:mod:`oomguard._effects.optimizer`).
 
-Each bf16 gradient goes down as backward finishes it and is summed in fp32 on the host (:mod:`.descent`): the
-device never holds them all, no sum loses precision (summed in bf16, 256 micro-batches of one sample landed an SGD
-step 6.8 times amp's distance from fp32). From the last backward to the end of the optimizer step each halved
-parameter *is* its master on the host, its gradient the fp32 sum, so that clipping (the guard's or a Trainer's) and
-the step see fp32; the stepped masters go up rounded to bf16 (2 bytes a parameter up, 2 down per micro-batch). A
-failed attempt drops its sums.
+Each bf16 gradient goes down as backward finishes it and is summed in fp32 on the host (:mod:`.descent`): the device
+never holds them all, no sum loses precision (summed in bf16, 256 micro-batches of one sample landed an SGD step 6.8
+times amp's distance from fp32). From the last backward to the end of the optimizer step each halved parameter *is*
+its master on the host, its gradient the fp32 sum, so that clipping (the guard's or a Trainer's) and the step see
+fp32; the stepped masters go up rounded to bf16 as the host step goes on (:mod:`.ascent`: 2 bytes a parameter up, 2
+down per micro-batch). A failed attempt drops its sums.
 
 Between steps the device copy is the truth: a write to it that bypasses the parameter's version counter
-(``p.data.clamp_()``, ``p.data.copy_(ema)``, ``p.data = ...``, ``vector_to_parameters``) is found by a
-checksum made on the device after each upload and compared before the step (:mod:`.fingerprint`: 8 bytes per
-65,521 weights come down each time), and then the master takes the written elements; the others keep their fp32
-bits. Comparing every weight with its master instead would copy 2 bytes a parameter down every step. Reading the weights
-(``state_dict()``, a copy of the model) sees the writes without committing them; the step, ``load_state_dict``
-and the end of the level commit them. A forward outside the guard's step runs under bf16 autocast, as the step's
-own does (the weights are bf16: ``p.dtype`` says so), and a copy of the model (``copy.deepcopy``, ``torch.save``)
-holds the fp32 weights and nothing of the guard (:mod:`.hooks`).
+(``p.data.clamp_()``, ``p.data.copy_(ema)``, ``p.data = ...``, ``vector_to_parameters``) is found by a checksum made
+on the device after each upload and compared before the step (:mod:`.fingerprint`: 8 bytes per 65,521 weights come
+down each time), and then the master takes the written elements; the others keep their fp32 bits. Comparing every
+weight with its master instead would copy 2 bytes a parameter down every step. Reading the weights (``state_dict()``,
+a copy of the model) sees the writes without committing them; the step, ``load_state_dict`` and the end of the level
+commit them. A forward outside the guard's step runs under bf16 autocast, as the step's own does (the weights are
+bf16: ``p.dtype`` says so), and a copy of the model (``copy.deepcopy``, ``torch.save``) holds the fp32 weights and
+nothing of the guard (:mod:`.hooks`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.hooks import RemovableHandle
 
 from oomguard._backends.memory import MemoryBackend
+from oomguard._effects.ascent import Ascent
 from oomguard._effects.base import EffectTarget
 from oomguard._effects.descent import Descent
 from oomguard._effects.fingerprint import Fingerprints
@@ -86,8 +87,7 @@ def _merged(weight: _Weight, values: torch.Tensor) -> torch.Tensor:
 
 
 def _mended(pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> Callable[..., None]:
-    """An unpickled copy of a model saved at the master level: each halved parameter is its fp32 master, on the
-    device the parameter was loaded to."""
+    """An unpickled copy of a model saved at the master level: each halved parameter its fp32 master, where loaded."""
     for param, master in pairs:
         param.data = master.to(param.device)
     return released
@@ -105,6 +105,7 @@ class MasterWeights:
         self._hooks: list[RemovableHandle] = []
         self._loaded: list[_Weight] = []  # the weights a model's load_state_dict() under way writes
         self._descent = Descent()  # the gradients on their way down in this backward
+        self.ascent = Ascent()  # the stepped weights on their way up (the planner reads what overlapped the step)
         self._autocast = threading.local()  # per thread: the autocast contexts the forward hooks entered
 
     def __contains__(self, param: object) -> bool:
@@ -117,9 +118,6 @@ class MasterWeights:
     @property
     def masters(self) -> dict[torch.nn.Parameter, torch.Tensor]:
         return {param: weight.master for param, weight in self._weights.items()}
-
-    def _images(self) -> list[torch.Tensor]:
-        return [w.image for w in self._weights.values()]
 
     def _devices(self) -> list[torch.Tensor]:
         return [w.device if w.device is not None else w.param.data for w in self._weights.values()]
@@ -140,7 +138,7 @@ class MasterWeights:
             param.data, param.grad = half, None
             self._weights[param] = weight
         backend.synchronize()  # (the host copies are complete: their checksums are taken on the host)
-        self._prints.record_host(self._images())
+        self._prints.record_host([w.image for w in self._weights.values()])
         if not self._hooks:
             self._hook()
         for param in params:  # (the parameter stays while its data is halved: one hook each, removed by restore)
@@ -210,18 +208,21 @@ class MasterWeights:
         """The optimizer step is next: the masters lent (see :meth:`lend_masters`), and the device buffers for the
         checksums after it made now (may run out of memory), as nothing may fail once the step is committed."""
         self.lend_masters()
+        self.ascent.begin()
         if self._weights:
             self._prints.prepare(self._devices())
 
+    def host_stepped(self, params: list[torch.Tensor]) -> None:
+        """The step under way has stepped ``params`` (a bucket of the host step): each halved one goes up now."""
+        if self._swapped and self._backend is not None:
+            self.ascent.send([self._weights[p] for p in params if p in self._weights], self._backend)  # type: ignore
+
     def stepped(self) -> None:
-        """The masters were stepped (committed): each goes up rounded to bf16 into its device copy, which the
-        parameter is again. Raises nothing for want of memory (see Fingerprints.record)."""
+        """The masters were stepped (committed): each not sent up during the step goes up rounded to bf16 into its
+        device copy, which the parameter is again. Raises nothing for want of memory (see Fingerprints.record)."""
         if not self._swapped or self._backend is None:
             return
-        for weight in self._weights.values():
-            assert weight.device is not None
-            weight.image.copy_(weight.master)  # (fp32 to bf16, on the host)
-            self._backend.upload(weight.device, weight.image)
+        self.ascent.finish(self._weights.values(), self._backend)
         self._unswap()
         self._prints.record(self._devices(), self._backend)
 
@@ -355,7 +356,7 @@ class MasterWeights:
         for weight in loaded:
             weight.image.copy_(weight.master)
             self._backend.upload(weight.param.data, weight.image)
-        self._prints.record_host(self._images())
+        self._prints.record_host([w.image for w in self._weights.values()])
 
     def _enter_autocast(self, module: torch.nn.Module, args: Any) -> None:
         """A forward outside the guard's step (an evaluation) runs under bf16 autocast, as the step's own does:

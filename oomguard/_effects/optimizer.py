@@ -12,8 +12,9 @@ step (a loaded checkpoint, an EMA swap) is never overwritten with a stale one.
 
 At the ``"master"`` level (a bf16 plan without offloaded layers) the host also keeps the fp32 master weights and
 the device only bf16 copies of them (:mod:`oomguard._effects.masters`): each micro-batch's bf16 gradients go down and
-are summed in fp32 on the host, the step runs on the masters there, and they go up rounded to bf16 (2 bytes per
-parameter each way). Going back up (or closing) puts each master back on the device bit for bit.
+are summed in fp32 on the host, the step runs on the masters there, and they go up rounded to bf16 bucket by bucket
+as the host step goes on (2 bytes per parameter each way). Going back up (or closing) puts each master back on the
+device bit for bit.
 
 While the state is on the host, ``optimizer.load_state_dict()`` puts a loaded state there too, in fp32 for a halved
 weight: torch would cast each tensor to its parameter's dtype and device, bf16 on the device.
@@ -115,6 +116,13 @@ class OptimizerOffloadEffect(Effect):
 
     def after_backward(self) -> None:
         self._level.lend_masters()
+
+    def host_stepped(self, params: list[torch.Tensor]) -> None:
+        self._level.host_stepped(params)  # (the master level's stepped weights go up as the step goes on)
+
+    @property
+    def uploaded_beside(self) -> int:
+        return self._level.ascent.beside if self._level.engaged else 0
 
     def reset(self) -> None:
         self._level.prepare()

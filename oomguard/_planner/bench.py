@@ -114,6 +114,7 @@ class StepBench:
             base=base, phases=tuple(probe.phase_peaks.items()), crossed=probe.crossed,
             host=probe.max_host_memory_allocated(), journal=self.runner.transaction.journal_bytes,
             transfers=probe.transfers(run, parts), overlapped=probe.overlapped(run, parts),
+            uploaded=self.runner.effects.uploaded_beside,
             flops=counted.total * parts / run, ops=counted.ops * parts / run,
         )  # fmt: skip
 
@@ -135,8 +136,10 @@ class StepBench:
             host_params=self._host_params(plan),
             micro_batches=plan.micro_batches(self.size),
             ops=trace.ops,
-            # (copies overlap compute on a CUDA device only: under the simulator a copy is a memcpy on the same thread)
+            # (copies overlap compute, or the host step, on a CUDA device only: under the simulator a copy is a memcpy
+            # on the same thread)
             overlapped_bytes=trace.overlapped if self.target == "cuda" else 0,
+            uploaded_beside_bytes=trace.uploaded if self.target == "cuda" else 0,
         )
         phase = None if on_device else trace.failing_phase(self.budget)
         fits = on_device and on_host

@@ -49,6 +49,7 @@ class Trace:
     journal: int  # the journal's host copies of the plan's first step
     transfers: int  # host<->device bytes of the whole step
     overlapped: int  # of which copies run beside the compute (on CUDA)
+    uploaded: int  # of which copies to the device run beside the host step (the master level's weights, on CUDA)
     flops: float  # matrix FLOPs of the whole step
     ops: float  # operations dispatched in the whole step
 
@@ -116,8 +117,8 @@ def compose(traces: list[tuple[Trace, float]], budget: int) -> Trace:
     return Trace(
         base=rounded(lambda t: t.base), phases=phases, crossed=crossed, host=rounded(lambda t: t.host),
         journal=rounded(lambda t: t.journal), transfers=rounded(lambda t: t.transfers),
-        overlapped=rounded(lambda t: t.overlapped), flops=max(0.0, total(lambda t: t.flops)),
-        ops=max(0.0, total(lambda t: t.ops)),
+        overlapped=rounded(lambda t: t.overlapped), uploaded=rounded(lambda t: t.uploaded),
+        flops=max(0.0, total(lambda t: t.flops)), ops=max(0.0, total(lambda t: t.ops)),
     )  # fmt: skip
 
 

@@ -4,9 +4,16 @@ A step's time is modelled as its matrix FLOPs (counted during the fake run by to
 ``torch.utils.flop_counter``, checkpointing's recompute included) at the device's throughput for the step's
 precision, plus its host<->device bytes over the link, plus the optimizer's work on the host (optimizer
 offload, offloaded layers), plus a fixed cost per operation and per micro-batch (launches, synchronisation). The
-terms are added, but for the copies that run beside the compute on a CUDA device (device to host on the copy
-stream during forward and backward: saved activations and gradients going down), which cost only what the compute
-does not hide: the larger of the two counts. Copies to the device are added (the compute waits for each today).
+terms are added, but for two kinds of copies that run beside other work on a CUDA device, which cost only what that
+work does not hide (the larger of the two counts):
+
+* device to host on the copy stream during forward and backward (saved activations and gradients going down),
+  beside the compute;
+* the master level's stepped bf16 weights going up bucket by bucket while the host steps the next buckets
+  (:mod:`oomguard._effects.ascent`), beside the host step; the last bucket's copies, with nothing left to step
+  beside them, are added.
+
+Other copies to the device are added (the compute waits for each: layer offload's blocks, level 1's weights).
 
 The defaults describe a 6 GB consumer GPU of the RTX 2060/3060 class on PCIe 3.0; pass your own where you know
 better (``oomguard plan --gpu-tflops ... --link-gbps ...``), or measure the device a job runs on with
@@ -21,6 +28,9 @@ model ranks plans; it does not time a job.
 >>> copies = dict(flops=8e12, precision=None, transfer_bytes=12 * 10**9, host_params=0, micro_batches=1)
 >>> round(speed.seconds(**copies), 3), round(speed.seconds(**copies, overlapped_bytes=6 * 10**9), 3)
 (2.233, 1.733)
+>>> stepped = dict(copies, transfer_bytes=6 * 10**9, host_params=10**9)  # (1 s of host step, 0.5 s of copies up)
+>>> round(speed.seconds(**stepped), 3), round(speed.seconds(**stepped, uploaded_beside_bytes=6 * 10**9), 3)
+(2.733, 2.233)
 """
 
 from __future__ import annotations
@@ -100,16 +110,20 @@ class DeviceSpeed:
         micro_batches: int,
         ops: float = 0,
         overlapped_bytes: int = 0,
+        uploaded_beside_bytes: int = 0,
     ) -> float:
         """The predicted time of one optimizer step. ``overlapped_bytes`` of ``transfer_bytes`` are copies that run
         beside the compute (device to host on a side stream while forward and backward go on: saved activations,
-        gradients on their way down): they cost only what the compute does not hide."""
+        gradients on their way down), and ``uploaded_beside_bytes`` copies to the device that run beside the host
+        step (the master level's stepped weights, bucket by bucket): each costs only what the work beside it does
+        not hide."""
         tflops = self.gpu_tflops if precision is not None else (self.fp32_tflops or self.gpu_tflops / 2)
         compute, link = flops / (tflops * 1e12), self.link_gbps * 1e9
+        host = host_params / self.host_params_per_second
         return (
             max(compute, overlapped_bytes / link)
-            + (transfer_bytes - overlapped_bytes) / link
-            + host_params / self.host_params_per_second
+            + (transfer_bytes - overlapped_bytes - uploaded_beside_bytes) / link
+            + max(host, uploaded_beside_bytes / link)
             + micro_batches * self.micro_batch_seconds
             + ops * self.op_seconds
         )

@@ -44,6 +44,7 @@ from helpers.batches import ragged_lm_batch
 from helpers.devices import CountingGPU
 from helpers.models import make_llama, make_qwen2
 from oomguard import OOMEvent, OOMGuard, Plan, StepResult
+from oomguard._effects.hoststep import HostStep
 
 CAPACITY = "64MiB"  # roomy: the only out-of-memory errors are the injected ones
 MAX_GRAD_NORM = 0.05  # small enough that clipping really rescales the gradients
@@ -376,6 +377,7 @@ def make_rig(
     ladder: Iterable[str] | None = None,
     wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     on_event: Callable[[Any, PhaseGPU], None] | None = None,
+    host_step: HostStep = "exact",
 ) -> Rig:
     """A fresh rig on ``plan`` from ``state`` (see :func:`run_step` for the arguments), on ``gpu`` if given."""
     gpu = gpu if gpu is not None else PhaseGPU(CAPACITY)
@@ -408,7 +410,7 @@ def make_rig(
         ladder=ladder,
         sinks=[sink],
         relax_after=None,
-        host_step="exact",  # (recovered and intended plans are compared bit for bit: the fused host step rounds)
+        host_step=host_step,  # ("exact" by default: compared with the user's loop bit for bit; see FUSED_TOLERANCE)
     )
     guard.plan = plan
     guard.effects._scaler_state = clone_state(state.scaler)  # the committed fp16 loss scale, as a running guard has it
@@ -426,15 +428,17 @@ def run_step(
     wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     arm: Callable[[PhaseGPU, OOMGuard], None] | None = None,
     on_event: Callable[[Any, PhaseGPU], None] | None = None,
+    host_step: HostStep = "exact",
 ) -> Outcome:
     """One guarded step from ``state`` on ``plan``, with an OOM armed at device allocation ``fault`` (1-based).
 
     Every call builds its model, optimizer, scheduler and guard afresh from ``state``, so faults never leak into
     each other. ``ladder=[]`` runs ``plan`` alone (a reference); the default ladder recovers. ``wrap`` wraps the
     model (DDP); ``arm`` (before the call) and ``on_event`` (on each event the guard emits, in recovery too) can
-    inject further faults.
+    inject further faults. ``host_step`` is the guard's (``"fused"``: torch's fused CPU Adam steps what the plan
+    steps on the host).
     """
-    rig = make_rig(state, plan, workload=workload, ladder=ladder, wrap=wrap, on_event=on_event)
+    rig = make_rig(state, plan, workload=workload, ladder=ladder, wrap=wrap, on_event=on_event, host_step=host_step)
     with rig.gpu:
         rig.enter()
         if fault is not None:
@@ -625,11 +629,14 @@ def sweep(
     choose: Callable[[list[int]], list[int]] | None = None,
     faulted: bool = True,
     steps: int = STEPS,
+    host_step: HostStep = "exact",
 ) -> Sweep:
     """Inject one OOM at each sampled allocation of each of the first ``steps`` steps on ``plan`` (each run from
     the fault-free state before that step), and check every one with :func:`problems`. Under DDP, ``part`` takes
     this rank's share of a batch, ``choose`` agrees on the indices and ``faulted=False`` runs a rank that only
-    sees its peer's faults."""
+    sees its peer's faults. Every guard (faulted and fault-free) steps the host with ``host_step``; with
+    ``"fused"`` each fault-free step is also compared with the user's own loop (``"exact"``) within
+    :data:`FUSED_TOLERANCE`."""
     report = Sweep()
     state = initial_state(workload)
     for step in range(steps):
@@ -637,7 +644,9 @@ def sweep(
         if part is not None:
             batch = part(batch)
         ids = [int(i) for i in workload.ids(batch).tolist()]
-        intended = run_step(state, batch, plan, workload=workload, ladder=[], wrap=wrap)
+        intended = run_step(state, batch, plan, workload=workload, ladder=[], wrap=wrap, host_step=host_step)
+        if host_step != "exact":
+            report.failures += _off_the_loop(state, batch, plan, workload, wrap, intended, step)
         if gc.get_freeze_count():  # inside young_garbage_only: freeze what this plan made torch load lazily too
             gc.collect()
             gc.freeze()
@@ -654,10 +663,13 @@ def sweep(
         # 8-bit weights do layer by layer: never more than before the attempt, which problems() checks.)
         freed: dict[int, list[int]] = {}
         for index in picked:
-            outcome = run_step(state, batch, plan, workload=workload, fault=index if faulted else None, wrap=wrap)
+            fault = index if faulted else None
+            outcome = run_step(state, batch, plan, workload=workload, fault=fault, wrap=wrap, host_step=host_step)
             final = outcome.result.plan
             if final not in references:  # under DDP every rank recovers on the same plan: all get here together
-                references[final] = run_step(state, batch, final, workload=workload, ladder=[], wrap=wrap)
+                references[final] = run_step(
+                    state, batch, final, workload=workload, ladder=[], wrap=wrap, host_step=host_step
+                )
             found = problems(outcome, ooms=1, same_plan=references[final], intended=intended, step=step, sample_ids=ids)
             phase = intended.phases[index - 1] if faulted else "peer"
             report.faults.append(
@@ -679,6 +691,29 @@ def sweep(
             report.failures.append(f"step {step}: in use after recovery (bytes: allocations faulted) {freed}")
         state = intended.after
     return report
+
+
+# torch's fused CPU Adam (``host_step="fused"``) orders its float operations otherwise than the user's loop: the
+# weights of a fault-free fused step are within this (relative and absolute) of the loop's, as in
+# tests/test_host_step.py (1e-6 of the norm there). Faulted fused steps are compared with fault-free fused ones bit for
+# bit: the same kernel on the same values.
+FUSED_TOLERANCE = 1e-6
+
+
+def _off_the_loop(
+    state: Snapshot,
+    batch: Any,
+    plan: Plan,
+    workload: Workload,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None,
+    fused: Outcome,
+    step: int,
+) -> list[str]:
+    """How a fault-free fused step differs from the user's loop (``host_step="exact"``) beyond rounding."""
+    exact = run_step(state, batch, plan, workload=workload, ladder=[], wrap=wrap)
+    found = differences(fused.after.model, exact.after.model, "weights", FUSED_TOLERANCE)
+    found += differences(fused.after.optimizer, exact.after.optimizer, "optimizer", FUSED_TOLERANCE)
+    return [f"fault-free step {step}, fused vs the loop: {d}" for d in found]
 
 
 # -- one rank of the distributed sweep ------------------------------------------------------------------------
