@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import os
 
@@ -20,8 +21,18 @@ from oomguard.testing import SimulatedGPU
 
 
 def main(steps: int = 4) -> None:
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # torchrun sets RANK, WORLD_SIZE...
+    train(steps)
+    # The guard and the DDP module (whose reducer holds the process group) are gone with train()'s frame; only then
+    # is the group torn down, once every rank has finished talking. (With the DDP module still alive, its
+    # destructor ran after destroy_process_group and could hang in gloo: seen under load, a rank stuck at exit.)
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(steps: int) -> None:
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR...
     rank, world = dist.get_rank(), dist.get_world_size()
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(name)s: %(message)s")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -52,8 +63,7 @@ def main(steps: int = 4) -> None:
     if rank == 0:
         same = all(torch.equal(s, sums[0]) for s in sums)
         print(f"replicas identical: {same}; {train_step.guard.summary().ooms} OOM(s) seen on rank 0", flush=True)
-    dist.barrier()  # let every rank finish talking before any tears its connections down
-    dist.destroy_process_group()
+    train_step.guard.close()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._detect import is_oom
@@ -192,6 +193,13 @@ class Effects:
         if logged:
             logger.warning("oomguard: %s", left)
         return left
+
+    def undo_when_dropped(self) -> None:
+        """:meth:`undo` (logged) for a guard the garbage collector drops: that can happen inside anything, another
+        guard's dry run on fake tensors or a simulated device's accounting included, whose dispatch modes must not
+        see (or fake) this model's tensors, so they are set aside while it runs."""
+        with _disable_current_modes():
+            self.undo(logged=True)
 
     def close(self) -> None:
         """Undo every effect: hooks removed, offloaded tensors back on the device, checkpointing off."""

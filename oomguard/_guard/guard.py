@@ -118,7 +118,7 @@ class OOMGuard:
         self._last_plan = Plan()
         self._replay: _Replay | None = None  # the step whose gradients accumulate() recomputes (protected_step)
         # A guard that is dropped undoes what its plan did to the model, as close() does (not at exit).
-        weakref.finalize(self, self.effects.undo, logged=True).atexit = False
+        weakref.finalize(self, self.effects.undo_when_dropped).atexit = False
 
     # -- public state -----------------------------------------------------------------------------------
     @property
