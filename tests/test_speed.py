@@ -47,6 +47,16 @@ def test_each_term_of_the_model_moves_the_prediction_the_right_way() -> None:
     assert slow_link[4].predicted_seconds > layers and slow_link[0].predicted_seconds == pytest.approx(plain)
 
 
+def _llama_candidates(plans: list[Plan], speed: DeviceSpeed, target: str) -> list[Any]:
+    """The dry run's candidates for ``plans`` on a 2-layer Llama, batches of 2 x 32, timed by ``speed``."""
+    with FakeTensorMode():
+        model = make_llama(layers=2, hidden=64)
+        return list(dry_run(
+            model_step(model), lm_batch(2, 32), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+            capacity=2**40, target=target, label="llama", plans=plans, speed=speed,
+        ).candidates)  # fmt: skip
+
+
 def test_on_cuda_the_copies_down_beside_forward_and_backward_cost_only_what_the_compute_does_not_hide(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -56,12 +66,7 @@ def test_on_cuda_the_copies_down_beside_forward_and_backward_cost_only_what_the_
     slow = DeviceSpeed(link_gbps=0.05)  # (a link slow enough that the copies outlast the compute)
 
     def predicted(target: str) -> list[Any]:
-        with FakeTensorMode():
-            model = make_llama(layers=2, hidden=64)
-            return list(dry_run(
-                model_step(model), lm_batch(2, 32), model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                capacity=2**40, target=target, label="llama", plans=plans, speed=slow,
-            ).candidates)  # fmt: skip
+        return _llama_candidates(plans, slow, target)
 
     overlapped = predicted("cuda")
     monkeypatch.setattr("oomguard._planner.probe.Probe.overlapped", lambda self, run, parts: 0)
@@ -86,12 +91,7 @@ def test_on_cuda_the_master_levels_weights_going_up_beside_the_host_step_cost_on
     slow = DeviceSpeed(link_gbps=0.05, host_params_per_second=1e6)  # (copies and host step both count)
 
     def predicted(target: str) -> list[Any]:
-        with FakeTensorMode():
-            model = make_llama(layers=2, hidden=64)
-            return list(dry_run(
-                model_step(model), lm_batch(2, 32), model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                capacity=2**40, target=target, label="llama", plans=plans, speed=slow,
-            ).candidates)  # fmt: skip
+        return _llama_candidates(plans, slow, target)
 
     beside, simulated = predicted("cuda"), predicted("simulated")
     monkeypatch.setattr("oomguard._effects.effects.Effects.uploaded_beside", property(lambda self: 0))

@@ -178,6 +178,14 @@ class Foresight:
         keys begin), and the state file's ``store``, whose recorded answers are taken and kept."""
         self.answers.start(prefix, store)
 
+    def _dry_run(self, batch: Any, backend: MemoryBackend, **planning: Any) -> PlanReport | None:
+        """:func:`~oomguard._planner.fakes.preplan` of the guard's step on ``batch``, with the guard's effects,
+        bf16 support and host budget."""
+        return preplan(
+            self.step_fn, batch, self.options, backend, bf16=self.bf16, effects=self.effects,
+            host_budget=self.host_budget, **planning,
+        )  # fmt: skip
+
     def planned(self, batch: Any, backend: MemoryBackend, purpose: str, distributed: bool = False) -> Planned:
         """The planner's answer for ``batch``: a recorded one that holds for the room there is now, or a dry
         run's (recorded for the next batch of this shape)."""
@@ -186,17 +194,7 @@ class Foresight:
             if recorded is not None:
                 return Planned(recorded.plan, True, 0.0, 0)
         started = time.perf_counter()
-        report = preplan(
-            self.step_fn,
-            batch,
-            self.options,
-            backend,
-            bf16=self.bf16,
-            distributed=distributed,
-            purpose=purpose,
-            effects=self.effects,
-            host_budget=self.host_budget,
-        )
+        report = self._dry_run(batch, backend, purpose=purpose, distributed=distributed)
         seconds = time.perf_counter() - started
         if report is None:  # (logged: a step the planner cannot run, fakes that escaped, no device to plan for)
             return Planned(None, False, seconds, 0)
@@ -329,17 +327,12 @@ class Foresight:
                 return _Search(settled, size, DeviceSpeed()), []
             search = self._searches[bucket] = _Search(settled, size, speed)
         steady = self._steady.get(bucket) or [0.0]
-        report = preplan(
-            self.step_fn,
+        report = self._dry_run(
             batch,
-            self.options,
             backend,
-            bf16=self.bf16,
             purpose="tuning",
             search_around=settled,
             speed=search.speed,
-            effects=self.effects,
-            host_budget=self.host_budget,
             search_seconds=max(MIN_SEARCH_SECONDS, SEARCH_STEPS * statistics.median(steady)),
             known=search.known,
         )

@@ -233,12 +233,11 @@ def _composed(shallow: Shallow | None, deep: StepBench, options: GuardOptions, r
 
 
 def _shallow(
-    shallow: Shallow | None, batch: Any, options: GuardOptions, deep: StepBench, residue: Residue
+    shallow: Shallow, batch: Any, options: GuardOptions, deep: StepBench, residue: Residue
 ) -> Callable[[int], StepBench]:
     """``Composed``'s maker of shallow benches: the model of ``n`` blocks, on the deep bench's terms."""
 
     def make(blocks: int) -> StepBench:
-        assert shallow is not None
         made = ShallowModel(*shallow(blocks))
         given = dataclasses.replace(options, model=made.model, optimizer=made.optimizer)
         with made.around() if made.around is not None else contextlib.nullcontext():
