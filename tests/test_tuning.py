@@ -145,6 +145,7 @@ def test_the_fastest_median_is_kept_and_warm_up_steps_are_not_timed() -> None:
     foresight = Foresight.__new__(Foresight)
     foresight._due, foresight._tuning, foresight._steady, foresight._searches = {}, {}, {}, {}
     foresight.options = type("Options", (), {"tune_after": 1})()  # type: ignore[assignment]
+    foresight.agreement = None  # (a single process)
     searched = _Search(settled, 8, DeviceSpeed())
     foresight._alternatives = lambda *args: (searched, [fast, slow])  # type: ignore[method-assign]
     foresight.settled(7)

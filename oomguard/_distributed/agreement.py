@@ -13,7 +13,8 @@ are sure to reach, whatever failed where:
    micro-batch the peak models allow, and can every rank take the optimizer step without a journal. If any rank
    failed, every rank raises (the failing one its own OOM, the others :class:`PeerOutOfMemory`), and all
    recover and escalate identically from the agreed figures.
-4. **Gradient all-reduce**, in place (no allocation, so it cannot run out of memory), averaged as DDP does.
+4. **Gradient all-reduce**, in place (no allocation, so it cannot run out of memory), averaged as DDP does;
+   gradients the offload rungs keep on the host (fp32 master sums, offloaded blocks') in a gloo group under NCCL.
 5. **Clip, optimizer step and scheduler step**, journaled unless every rank agreed it can skip the journal,
    then **agreement B**: if any rank failed, every rank rolls its step back and raises; nobody has stepped.
 6. After a successful step, rank 0's buffers are broadcast (what DDP's next forward would have done).
@@ -41,6 +42,7 @@ __all__ = ["Agreement", "Verdict", "ddp_of", "distributed_active", "quiet_ddp", 
 _OUTCOMES: tuple[Outcome, ...] = ("ok", "oom", "host", "fatal")  # ordered: the worst is the largest
 # A failure's phase as a number: the deepest any rank reached wins the MAX, and every rank escalates from it.
 _PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.APPLY)
+_LEAST = -(2**62)  # what a rank sends where only rank 0's figure counts
 _PHASE_CODE = {Phase.SPLIT: 0, Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.CLIP: 2, Phase.OPTIMIZER: 2, Phase.APPLY: 3}
 
 
@@ -72,6 +74,9 @@ class Agreement:
         on_device = dist.get_backend() == "nccl"  # NCCL reduces device tensors, gloo host tensors
         width = max(3, len(ladder.known))  # a level per rung a plan can hold, or agreement A's three figures
         self._buffer = torch.zeros(width, dtype=torch.int64, device=device if on_device else torch.device("cpu"))
+        # Gradients the offload rungs keep on the host (the master level's fp32 sums, offloaded blocks') are
+        # all-reduced where NCCL cannot: in a gloo group of the same ranks (made now, while every rank is here).
+        self._host_group = dist.new_group(backend="gloo") if on_device else None
 
     def plan(self, plan: Plan, batch_size: int, ladder: Ladder) -> Plan:
         """The plan every rank uses: per rung, the deepest level any rank chose."""
@@ -88,9 +93,34 @@ class Agreement:
         """Agreement B: the worst outcome of every rank's clip, optimizer step and scheduler step."""
         return _OUTCOMES[self._all_max(_OUTCOMES.index(outcome))[0]]
 
+    def plans_of_rank0(
+        self, plans: list[Plan] | None, base: Plan, batch_size: int, ladder: Ladder
+    ) -> list[Plan] | None:
+        """Rank 0's ``plans`` on every rank (tuning's trials: rank 0 searches, every rank tries the same plans in
+        the same order); None where rank 0 has none (yet). ``base``: the plan each is described relative to."""
+        count = self._from_rank0([-1 if plans is None else len(plans)], 1)[0]
+        if count < 0:
+            return None
+        width = len(ladder.levels(base, batch_size))
+        shared = []
+        for index in range(count):
+            own = ladder.levels(plans[index], batch_size) if plans is not None else []
+            shared.append(ladder.at_levels(base, self._from_rank0(own, width), batch_size))
+        return shared
+
+    def slowest(self, seconds: float) -> float:
+        """The longest of every rank's ``seconds`` (tuning's times: the slowest rank sets the job's pace)."""
+        return self._all_max(round(seconds * 1e6))[0] / 1e6
+
     def any(self, flag: bool) -> bool:
         """True on every rank if it is True on any (a bound hit on one rank's clock stops them all)."""
         return bool(self._all_max(int(flag))[0])
+
+    def _from_rank0(self, values: list[int], length: int) -> list[int]:
+        """Rank 0's ``length`` ``values`` on every rank (the others' are ignored): a MAX in which the others send
+        the least there is."""
+        own = values if self.rank == 0 else [_LEAST] * length
+        return self._all_max(*own)
 
     def _all_max(self, *values: int) -> list[int]:
         buffer = self._buffer
@@ -105,13 +135,21 @@ class Agreement:
     def average_gradients(self, params: list[torch.Tensor]) -> None:
         """All-reduce every gradient in place and divide by the world size, as DDP does."""
         with torch.no_grad():
-            works = [dist.all_reduce(p.grad, async_op=True) for p in params if p.grad is not None]
+            works = [
+                dist.all_reduce(p.grad, group=self._group_of(p.grad), async_op=True)
+                for p in params
+                if p.grad is not None
+            ]
             for work in works:
                 if work is not None:
                     work.wait()
             for p in params:
                 if p.grad is not None:
                     p.grad.div_(self.world)
+
+    def _group_of(self, tensor: torch.Tensor) -> Any:
+        """The process group that reduces ``tensor``: the default one, or the gloo one for a host tensor."""
+        return self._host_group if self._host_group is not None and tensor.device.type == "cpu" else None
 
     def broadcast_buffers(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Rank 0's buffers to every rank, in place (DDP's forward-time broadcast, done at a safe point)."""

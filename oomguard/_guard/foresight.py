@@ -32,6 +32,7 @@ import torch
 
 from oomguard._backends.memory import MemoryBackend, MemorySnapshot, snapshot
 from oomguard._backends.units import format_bytes
+from oomguard._distributed.agreement import Agreement
 from oomguard._effects.effects import Effects
 from oomguard._events import PlannedEvent, TunedEvent, logger
 from oomguard._guard.answers import Answers
@@ -165,6 +166,9 @@ class Foresight:
         #: The guard's host budget (set at its first call): the planner's plans past it do not fit.
         self.host_budget: int | None = None
         self.answers = Answers(options, bf16)
+        #: The ranks' agreement of a distributed job (set at the guard's first call): each rank plans its own
+        #: share of the batch and the ranks agree on a jump's plan; rank 0 alone searches tuning's trials.
+        self.agreement: Agreement | None = None
 
     def reset(self) -> None:
         """Forget every bucket (a plan assigned by hand)."""
@@ -186,15 +190,14 @@ class Foresight:
             host_budget=self.host_budget, **planning,
         )  # fmt: skip
 
-    def planned(self, batch: Any, backend: MemoryBackend, purpose: str, distributed: bool = False) -> Planned:
+    def planned(self, batch: Any, backend: MemoryBackend, purpose: str) -> Planned:
         """The planner's answer for ``batch``: a recorded one that holds for the room there is now, or a dry
         run's (recorded for the next batch of this shape)."""
-        if not distributed:  # (the planner does not plan under torch.distributed: nothing was recorded there)
-            recorded = self.answers.get(batch, planning_capacity(self.options, backend), self.host_budget)
-            if recorded is not None:
-                return Planned(recorded.plan, True, 0.0, 0)
+        recorded = self.answers.get(batch, planning_capacity(self.options, backend), self.host_budget)
+        if recorded is not None:
+            return Planned(recorded.plan, True, 0.0, 0)
         started = time.perf_counter()
-        report = self._dry_run(batch, backend, purpose=purpose, distributed=distributed)
+        report = self._dry_run(batch, backend, purpose=purpose)
         seconds = time.perf_counter() - started
         if report is None:  # (logged: a step the planner cannot run, fakes that escaped, no device to plan for)
             return Planned(None, False, seconds, 0)
@@ -202,7 +205,7 @@ class Foresight:
         return Planned(report.recommended, False, seconds, report.fake_steps, report)
 
     def preplan(
-        self, batch: Any, backend: MemoryBackend, step: int, distributed: bool, remembered: dict[int, Plan]
+        self, batch: Any, backend: MemoryBackend, step: int, remembered: dict[int, Plan]
     ) -> tuple[Plan | None, PlannedEvent]:
         """``preplan=True`` at the first call: the plan to start every bucket on (None: leave the buckets as they
         are), and the ``planned`` event that says so. No dry run where the state file ``remembered`` plans (a
@@ -214,7 +217,7 @@ class Foresight:
             description = f"no dry run: the state file remembers plans for {len(remembered)} bucket(s){start}"
             event = PlannedEvent(step, (own or Plan()).to_dict(), memory, False, "state_file", description)
             return None, event
-        planned = self.planned(batch, backend, "preplan", distributed)
+        planned = self.planned(batch, backend, "preplan")
         plan, report = planned.plan, planned.report
         if plan is None:
             seen = "a recorded answer" if planned.recorded else "see the log"
@@ -244,10 +247,10 @@ class Foresight:
             self.options.predictive
             and len(call.tried) == 1
             and call.batch is not None
-            and not distributed
             and call.choice.fallback is None
             and not self.buckets.fitted(call.choice.bucket)
-            and memory_was_short(failure.summary.message, self.device)
+            # (every rank decides alike: another rank's message says nothing of this rank's memory)
+            and (distributed or memory_was_short(failure.summary.message, self.device))
         ):
             return None
         planned = self.planned(call.batch, call.backend, "jump")
@@ -263,7 +266,7 @@ class Foresight:
         bucket = choice.bucket
         tuning = self._tuning.get(bucket)
         if tuning is None and self._due.get(bucket, -1) >= (self.options.tune_after or 0) and not choice.relaxing:
-            found = self._alternatives(bucket, batch, choice.plan, size, backend)
+            found = self._trials(bucket, batch, choice.plan, size, backend)
             if found is not None:  # (None: the search goes on in the next call; this one runs the settled plan)
                 search, alternatives = found
                 del self._due[bucket]
@@ -312,6 +315,20 @@ class Foresight:
         best = min(measured, key=lambda item: item[0])[1] if measured else tuning.settled
         search = tuning.search
         return Tuned(bucket, tuning.settled, best, timings, search.seconds, search.fake_steps, search.calls)
+
+    def _trials(
+        self, bucket: int, batch: Any, settled: Plan, size: int, backend: MemoryBackend
+    ) -> tuple[_Search, list[Plan]] | None:
+        """:meth:`_alternatives`; in a distributed job, rank 0's, on every rank (where the search takes more than
+        one call, every rank waits for rank 0's to end)."""
+        agreement = self.agreement
+        if agreement is None:
+            return self._alternatives(bucket, batch, settled, size, backend)
+        found = self._alternatives(bucket, batch, settled, size, backend) if agreement.rank == 0 else None
+        shared = agreement.plans_of_rank0(None if found is None else found[1], settled, size, self.ladder)
+        if shared is None:
+            return None
+        return (_Search(settled, size, DeviceSpeed()) if found is None else found[0]), shared
 
     def _alternatives(
         self, bucket: int, batch: Any, settled: Plan, size: int, backend: MemoryBackend

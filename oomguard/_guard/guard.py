@@ -240,18 +240,20 @@ class OOMGuard:
         if choice.held_back is not None:  # a step back up the host has no room for: not tried, and said
             wait = self._buckets.next_try_after(choice.bucket)
             self._emit(held_back_event(self.steps, choice, size, backend, self._host_budget, wait))
+        if step:  # a full step may be a trial of another plan (tuning: the same trials on every rank)
+            choice = self._foresight.choose(choice, batch, size, backend)
         if agreement is not None:  # every rank starts the call on the same plan
             agreed = agreement.plan(choice.plan, size, self.ladder)
             if agreed != choice.plan:
                 choice = Choice(choice.bucket, agreed)
-        elif step:  # a full step may be a trial of another plan (tuning)
-            choice = self._foresight.choose(choice, batch, size, backend)
         call = self._loop.call(batch, size, backend, choice, per_sample, self.steps)
         started = time.perf_counter()
-        timed = step and agreement is None  # (tuning times whole steps; not where ranks would time differently)
 
         def done(call: Call, output: AttemptOutput) -> StepResult:
-            return self._succeed(call, output, time.perf_counter() - started if timed else None)
+            seconds = time.perf_counter() - started
+            if agreement is not None and step:  # (tuning keeps what the slowest rank measured: every rank alike)
+                seconds = agreement.slowest(seconds)
+            return self._succeed(call, output, seconds if step else None)
 
         return self._loop.run(call, Run(self._runner, call, step=step, reduction=reduction), done, rewind=rewind)
 
@@ -345,7 +347,7 @@ class OOMGuard:
         ledger = self.effects.target.activation_host
         ledger.budget, ledger.others = self._host_budget, self._escalation.host_besides_activations
         if distributed_active():
-            self._runner.agreement = Agreement(self._device, self.ladder)
+            self._runner.agreement = self._foresight.agreement = Agreement(self._device, self.ladder)
         rank = 0 if self._runner.agreement is None else self._runner.agreement.rank
         if self.options.log_file is not None:  # one log per rank: rank k > 0 writes NAME.rank<k>.jsonl beside it
             path = Path(self.options.log_file)
@@ -358,8 +360,7 @@ class OOMGuard:
             self._buckets.load(store, self._escalation.context(backend, size, self._runner.agreement is not None))
         self._foresight.start(f"{fingerprint}|{backend.identity()}|", store)  # (the answers the planner recorded)
         if self.options.preplan:  # (no dry run where the state file remembers plans: they beat a predicted one)
-            distributed = self._runner.agreement is not None
-            planned, event = self._foresight.preplan(batch, backend, self.steps, distributed, self._buckets.plans())
+            planned, event = self._foresight.preplan(batch, backend, self.steps, self._buckets.plans())
             if planned is not None:
                 self.plan = planned
             self._emit(event)

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from oomguard._backends.accounting import AccountedDevice
+from oomguard._distributed.agreement import distributed_active
 from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Plan
 from oomguard._ladder.rungs import Rung, RungContext
@@ -145,7 +146,10 @@ def _planned(
         try:
             if composed is None:
                 bench.warm()  # a one-sample warm-up creates the optimizer state (the deep model's: when confirming)
-            context = dataclasses.replace(model_context(bench.runner), batch_size=bench.size)
+            # (under torch.distributed, what the guard's rungs may do there: each rank plans as its guard walks)
+            context = dataclasses.replace(
+                model_context(bench.runner), batch_size=bench.size, distributed=distributed_active()
+            )
             budget = SearchBudget(search_seconds, known)
             _measure(composed or bench, ladder, context, plans, search_around, bf16, budget)
             if composed is not None and not confirm(bench, composed.composed):

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map
 from oomguard._backends.dispatch import plain_tensors
 from oomguard._backends.memory import MemoryBackend
 from oomguard._backends.units import available_bytes, format_bytes, requested_bytes
+from oomguard._distributed.agreement import ddp_of, quiet_ddp
 from oomguard._effects.blocks import find_blocks
 from oomguard._effects.effects import Effects
 from oomguard._ladder.plan import Plan
@@ -50,7 +51,6 @@ def preplan(
     backend: MemoryBackend,
     *,
     bf16: bool,
-    distributed: bool = False,
     purpose: str = "preplan",
     search_around: Plan | None = None,
     speed: DeviceSpeed | None = None,
@@ -72,9 +72,6 @@ def preplan(
     The dry run leaves nothing behind (:mod:`oomguard._planner.isolation`): what the step and the model keep is
     put back after it; where fake tensors escape all the same, the step is not planned again.
     """
-    if distributed:  # the planner's steps would not take part in the process group's agreements
-        logger.info("%s: not supported under torch.distributed yet", purpose)
-        return None
     if step_fn in _LEAKY:
         logger.info("%s: off for this step, whose dry run kept fake tensors (see the warning then)", purpose)
         return None
@@ -88,7 +85,8 @@ def preplan(
     residue = Residue()
     report, failure = None, None
     try:
-        with _stepped_aside(effects), _isolated(model, step_fn):
+        # (under DDP, as the guard's own attempts: no collective in forward or backward, each rank plans alone)
+        with _stepped_aside(effects), _isolated(model, step_fn), quiet_ddp(ddp_of(model)):
             report = _dry_run(step_fn, batch, options, capacity, target, device, residue, bf16=bf16,
                               search_around=search_around, speed=speed, plans=plans, host_budget=host_budget,
                               search_seconds=search_seconds, known=known)  # fmt: skip

@@ -27,9 +27,10 @@ class OptimizerOffload(FieldRung):
     keeps the parameters and gradients only. Each step copies the gradients and parameters to the host and the
     updated parameters back; the maths is the optimizer's own, on the host.
 
-    Its second level, where the plan runs bf16 and offloads no layer (and not under ``torch.distributed``, whose
-    gradient buckets are made for the parameters' dtype), also keeps the fp32 master weights on the host and only
-    a bf16 copy on the device: weights and gradients take half the device memory, a step moves 4 bytes per
+    Its second level, where the plan runs bf16 and offloads no layer, also keeps the fp32 master weights on the
+    host and only a bf16 copy on the device (under DDP too: the guard's ranks never use DDP's gradient buckets,
+    made for the parameters' dtype; they all-reduce the fp32 sums on the host, see
+    :mod:`oomguard._distributed.agreement`): weights and gradients take half the device memory, a step moves 4 bytes per
     parameter, and the maths is bf16 training with fp32 master weights (within amp's tolerance)."""
 
     name: str = "optimizer_offload"
@@ -51,7 +52,7 @@ class OptimizerOffload(FieldRung):
         if not plan.optimizer_offload:
             return plan.replace(optimizer_offload=True)
         if plan.optimizer_offload is True and keeps_master_weights(plan.precision, plan.offload_layers):
-            return None if context.distributed else plan.replace(optimizer_offload="master")
+            return plan.replace(optimizer_offload="master")
         return None
 
     def at_level(self, plan: Plan, level: int, batch_size: int) -> Plan:
