@@ -26,7 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers.models import make_llama
 
-from oomguard import OOMGuard
+from oomguard import OOMGuard, Plan
 from oomguard.testing import SimulatedGPU
 
 GLOBAL_BATCH = 16
@@ -39,11 +39,19 @@ class Job:
     seq: int
     steps: int
     tune_after: int | None = 4  # (the guard's default)
+    start: Plan | None = None  # the plan every bucket starts on (None: the default plan)
+    room: float = 0.25  # each rank's device memory, as a share of what a plain step of its half peaks at
 
 
 #: "default": the issue's job with the default options (slow: tuning's search takes several calls); "quick": a
-#: smaller one that does not tune, for the default suite; "state": the quick job restarted on its state file.
-JOBS = {"default": Job(4, 64, 64, 24), "quick": Job(2, 32, 32, 4, None), "state": Job(2, 32, 32, 2, None)}
+#: smaller one that does not tune, for the default suite; "state": the quick job restarted on its state file;
+#: "layers": the quick job started on layer offload (both blocks streamed from the host), in the room it needs.
+JOBS = {
+    "default": Job(4, 64, 64, 24),
+    "quick": Job(2, 32, 32, 4, None),
+    "state": Job(2, 32, 32, 2, None),
+    "layers": Job(2, 32, 32, 3, None, Plan(offload_layers=2), room=1.0),
+}
 
 
 def global_batch(step: int, seq: int) -> dict[str, torch.Tensor]:
@@ -73,7 +81,7 @@ def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     job = JOBS[mode]
     model = make_llama(layers=job.layers, hidden=job.hidden)
-    budget = plain_peak(model, share(global_batch(0, job.seq), rank, world)) // 4
+    budget = int(plain_peak(model, share(global_batch(0, job.seq), rank, world)) * job.room)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     state = out.parent / "plans.json"
@@ -81,6 +89,8 @@ def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
         lambda batch: ddp(**batch), model=ddp, optimizer=optimizer, log_file=out / "events.jsonl", state_file=state,
         tune_after=job.tune_after,
     )  # fmt: skip
+    if job.start is not None:
+        guard.plan = job.start
     report: dict[str, Any] = {"budget": budget, "steps": []}
     with SimulatedGPU(budget) as gpu:
         gpu.adopt(model)

@@ -81,6 +81,18 @@ def test_tuning_times_the_same_trials_on_every_rank_and_keeps_the_same_plan(job:
 
 
 def test_the_replicas_are_identical_and_equal_a_single_process_on_the_same_plans(job: Path) -> None:
+    assert_replicas_equal_a_single_process(job)
+
+
+def test_layer_offload_under_ddp_keeps_the_replicas_equal_to_a_single_process(tmp_path: Path) -> None:
+    reports = run(tmp_path / "layers", "layers")
+    assert {step["plan"]["offload_layers"] for step in reports[0]["steps"]} == {2}, "both blocks streamed"
+    assert [s["plan"] for s in reports[0]["steps"]] == [s["plan"] for s in reports[1]["steps"]]
+    assert_replicas_equal_a_single_process(tmp_path / "layers")
+
+
+def assert_replicas_equal_a_single_process(job: Path) -> None:
+    """Both ranks' weights are the same, and those of a single process on the whole batch, on the same plans."""
     weights = [torch.load(job / f"weights{rank}.pt") for rank in range(WORLD)]
     for key, value in weights[0].items():
         assert torch.equal(value, weights[1][key]), f"the replicas differ at {key}"
