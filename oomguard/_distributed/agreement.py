@@ -88,6 +88,14 @@ class Agreement:
         """Agreement B: the worst outcome of every rank's clip, optimizer step and scheduler step."""
         return _OUTCOMES[self._all_max(_OUTCOMES.index(outcome))[0]]
 
+    def micro_batch(self, last: bool) -> None:
+        """Before each micro-batch's forward (``last``: the attempt's last one). Nothing under DDP, whose
+        gradients are reduced after agreement A; FSDP2 syncs in the last backward (see ``fsdp``)."""
+
+    def reset(self) -> None:
+        """After a failed attempt, before the retry: nothing under DDP (see ``quiet_ddp``); FSDP2 resets its
+        iteration state."""
+
     def any(self, flag: bool) -> bool:
         """True on every rank if it is True on any (a bound hit on one rank's clock stops them all)."""
         return bool(self._all_max(int(flag))[0])

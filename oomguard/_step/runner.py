@@ -201,6 +201,8 @@ class StepRunner:
         """What a failed attempt made goes: the plan's per-attempt state, the gradients (those of leaves outside
         the optimizer back as they were)."""
         self.effects.reset()
+        if self.agreement is not None:
+            self.agreement.reset()  # (FSDP2: its iteration state, resharded, no unsharded gradient left)
         self.zero_grad()
         OutsideLeaves.put_back(self._outside_grads)
         self._outside_grads = []
@@ -288,10 +290,13 @@ class StepRunner:
         self.progress.phase = Phase.SPLIT
         parts, weights = self._parts(job)
         total: torch.Tensor | None = None
+        last = max((i for i, w in enumerate(weights) if w != 0.0), default=-1)  # (FSDP2 syncs in its backward)
         for index, (part, weight) in enumerate(zip(parts, weights, strict=True)):
             if weight == 0.0:  # no counted item: it contributes exactly nothing (and its mean is NaN)
                 continue
             self.progress.phase, self.progress.micro_batch = Phase.FORWARD, index
+            if self.agreement is not None:
+                self.agreement.micro_batch(last=index == last)
             with self.effects.forward(plan, backend):
                 loss = loss_of(self.step_fn(part))
             if total is None:  # the attempt's first backward is next

@@ -1,0 +1,224 @@
+"""FSDP2 (``fully_shard``) under the guard: an OOM agreement that also covers FSDP's own collectives.
+
+DDP can run forward and backward without a collective (``no_sync()``), so its ranks agree once, after backward
+(agreement A, see :mod:`oomguard._distributed.agreement`). FSDP2 cannot: every sharded module all-gathers its
+parameters before its forward and again before its backward, and reduce-scatters its gradients at the end of its
+backward when gradient sync is on. A rank that runs out of memory between two of these leaves the other ranks
+waiting in the next one; a rank whose gather buffer cannot be allocated never enters the gather at all.
+
+**The gate.** Every FSDP module of the guarded model gets a custom all-gather and reduce-scatter
+(``set_custom_all_gather`` / ``set_custom_reduce_scatter``). Each of their collectives is preceded by exactly one
+*gate*: the agreement's all-reduce (the same buffer, width and MAX op as agreement A) of this rank's outcome.
+
+- ``allocate()`` tries the buffer. If that runs out of memory, this rank passes the gate with its failure and
+  raises its own error; if it fits, nothing is agreed yet.
+- ``__call__`` (just before the collective) passes the gate with "ok". If the gate says some rank failed, this
+  rank raises :class:`~oomguard._distributed.peers.PeerOutOfMemory` and never enters the collective.
+- A rank that fails anywhere else in forward or backward (compute, FSDP's copy-in between ``allocate`` and the
+  collective, a hook) is caught by the step runner, which does agreement A at once: that one all-reduce is its
+  failure's gate.
+
+Whichever all-reduce carried a failure, every rank saw it in the same all-reduce (it is a MAX over all ranks)
+and *settles* there: no rank does another all-reduce or collective in this attempt. Agreement A, when the runner
+then asks for it, answers with the settled verdict without a collective.
+
+**Why every rank does the same number of collectives, whatever failed where.** Number each rank's all-reduces on
+the agreement buffer in this attempt: gates g1, g2, ... then agreement A. Forward and backward run the same
+modules in the same order on every rank, so FSDP's k-th collective is the same one on every rank, and on every rank
+it is preceded by gate k and followed by nothing but local work up to gate k+1 (or A). Let k be the first index at
+which some rank sends a failure. Every rank that is still healthy reaches its k-th all-reduce (it has only local
+work, collectives 1..k-1 that every rank entered, and gates that all said "ok" in between), so all-reduce k
+completes on every rank; it carries the failure, so every rank settles at k and stops. Before it, every rank
+entered the same collectives 1..k-1 (gate k precedes collective k everywhere, and collective k is entered only
+after gate k said "ok"). So: the same gates, the same FSDP collectives, and every rank raises after the same
+count. Two ranks failing in different places send their failures in the same or different all-reduces; the first
+one is what everyone settles on (the MAX keeps the worst outcome and the deepest phase), and a rank that already
+settled on a peer's failure does not send its own.
+
+After a failed attempt every root FSDP module's iteration state is reset (``reset_iter_state``: in-flight gathers
+and reductions waited on and dropped, every group resharded, training states back to idle) and every unsharded
+gradient FSDP accumulated for micro-batches without sync is dropped: the retry starts as a fresh step.
+
+**Micro-batching** is FSDP's own: every micro-batch but the last backward without gradient sync
+(``set_requires_gradient_sync(False)``, unsharded gradients accumulate on each rank), the last one with it and
+``set_is_last_backward(True)``. The reduce-scatter averages over ranks; on gloo it runs as a sum divided afterwards
+(gloo's averaging under FSDP2 is silently wrong: pytorch#162338).
+
+Cost: one small all-reduce, and a host sync to read it, per FSDP collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from oomguard._distributed.agreement import Agreement, Verdict
+from oomguard._distributed.peers import Outcome, failure_outcome, peer_failure
+from oomguard._effects.sharding import is_fsdp
+from oomguard._errors import GuardConfigError
+from oomguard._ladder.ladder import Ladder
+from oomguard._ladder.plan import Phase
+
+__all__ = ["FSDPAgreement", "agreement_for", "check_sharded", "fsdp_modules", "is_fsdp"]
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
+    """The modules of ``model`` (itself included) that ``fully_shard`` wrapped."""
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def _roots(model: torch.nn.Module) -> list[FSDPModule]:
+    """The FSDP modules with no FSDP module above them (the model itself, where ``fully_shard`` wrapped it)."""
+    inner = {id(child) for module in fsdp_modules(model) for child in list(module.modules())[1:]}  # type: ignore[attr-defined]
+    return [module for module in fsdp_modules(model) if id(module) not in inner]
+
+
+def check_sharded(model: torch.nn.Module, max_grad_norm: float | None) -> None:
+    """Refuse what the guard cannot keep safe: FSDP1, and FSDP2 with clipping (its norm is a collective)."""
+    for module in model.modules():
+        if type(module).__name__ == "FullyShardedDataParallel":
+            raise GuardConfigError(
+                "the model contains FullyShardedDataParallel (FSDP1), which oomguard does not support: an OOM inside "
+                "its flat-parameter collectives could hang the other ranks. Shard with FSDP2 instead "
+                "(torch.distributed.fsdp.fully_shard per block, then on the root), or use DistributedDataParallel"
+            )
+    if max_grad_norm is not None and is_fsdp(model):
+        raise GuardConfigError(
+            f"max_grad_norm={max_grad_norm} with an FSDP2 model: clipping sharded gradients all-reduces their norm "
+            f"inside clip_grad_norm_, a collective the guard cannot agree around yet (a rank that ran out of memory "
+            f"before it would leave the others waiting there). Leave max_grad_norm=None under FSDP2"
+        )
+
+
+def agreement_for(model: torch.nn.Module, device: torch.device, ladder: Ladder) -> Agreement:
+    """The agreement protocol for ``model``: with FSDP's collectives gated where ``fully_shard`` wrapped it."""
+    if is_fsdp(model):
+        return FSDPAgreement(model, device, ladder)
+    return Agreement(device, ladder)
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+class FSDPAgreement(Agreement):
+    """The agreement of a guard over an FSDP2 model: agreement A and B as under DDP, plus a gate before each of
+    FSDP's collectives (see the module's docstring)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, ladder: Ladder) -> None:
+        super().__init__(device, ladder)
+        self.roots = _roots(model)
+        self.modules = fsdp_modules(model)
+        #: What a gate settled in the attempt in flight (None: nothing failed yet); agreement A answers with it.
+        self.settled: Verdict | None = None
+        #: Gates passed with this rank's own failure (an allocation of FSDP's that ran out of memory): a count
+        #: tests and logs read.
+        self.gate_failures = 0
+        self.separate_host = True  # (as the runner's backend: every device the guard runs on but the CPU-only one)
+        gather, scatter = _GatedAllGather(self), _GatedReduceScatter(self)
+        for module in self.modules:
+            module.set_custom_all_gather(gather)
+            module.set_custom_reduce_scatter(scatter)
+
+    # -- the gate -------------------------------------------------------------------------------------
+    def gate(self, outcome: Outcome, phase: Phase) -> Verdict:
+        """One all-reduce of this rank's outcome before one of FSDP's collectives; settles on a failure."""
+        if self.settled is not None:  # (a rank never gates again once settled: nothing should ask)
+            return self.settled
+        verdict = Agreement.after_backward(self, outcome, phase, journal=False)
+        if verdict.outcome != "ok":
+            self.settled = verdict
+        return verdict
+
+    def after_backward(self, outcome: Outcome, phase: Phase, journal: bool) -> Verdict:
+        """Agreement A, unless a gate settled this attempt already (then no collective: every rank settled)."""
+        settled, self.settled = self.settled, None
+        if settled is not None:
+            return settled
+        return super().after_backward(outcome, phase, journal)
+
+    def _pass(self) -> None:
+        """The gate of a healthy rank just before a collective: raise if any rank failed."""
+        phase = Phase.BACKWARD if _in_backward() else Phase.FORWARD
+        verdict = self.gate("ok", phase)
+        if verdict.outcome != "ok":
+            raise peer_failure(verdict.outcome, str(verdict.phase))
+
+    def _allocate(self, size: Sequence[int | torch.SymInt], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        try:
+            return torch.empty(*size, dtype=dtype, device=device)
+        except Exception as exc:
+            outcome = failure_outcome(exc, self.separate_host)
+            self.gate_failures += 1
+            self.gate(outcome, Phase.BACKWARD if _in_backward() else Phase.FORWARD)
+            raise
+
+    # -- micro-batches and retries --------------------------------------------------------------------
+    def micro_batch(self, last: bool) -> None:
+        """Before a micro-batch's forward: gradient sync (the reduce-scatter) only in the last one's backward."""
+        for root in self.roots:
+            root.set_requires_gradient_sync(last)  # (recursive: every FSDP module below it)
+            root.set_is_last_backward(last)
+
+    def reset(self) -> None:
+        """After a failed attempt: FSDP's iteration state reset on every root, every unsharded gradient dropped."""
+        self.settled = None
+        for root in self.roots:
+            root.reset_iter_state()
+        for module in self.modules:
+            state = module._get_fsdp_state()  # type: ignore[attr-defined]
+            for group in state._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    param.unsharded_accumulated_grad = None
+                    unsharded = getattr(param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
+        self.micro_batch(last=True)  # (FSDP's defaults, as a model outside the guard expects them)
+
+
+class _GatedAllGather(AllGather):
+    """FSDP's all-gather behind the gate."""
+
+    def __init__(self, agreement: FSDPAgreement) -> None:
+        self.agreement = agreement
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.agreement._allocate(size, dtype, device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> Any:
+        self.agreement._pass()
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _GatedReduceScatter(ReduceScatter):
+    """FSDP's reduce-scatter behind the gate; an average runs as a sum divided afterwards on gloo."""
+
+    def __init__(self, agreement: FSDPAgreement) -> None:
+        self.agreement = agreement
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.agreement._allocate(size, dtype, device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        self.agreement._pass()
+        average = op == dist.ReduceOp.AVG and dist.get_backend(group) == "gloo"
+        work = dist.reduce_scatter_single(
+            output_tensor, input_tensor, group=group, op=dist.ReduceOp.SUM if average else op, async_op=False
+        )
+        if average:
+            output_tensor.div_(group.size())
+        return work
