@@ -1,0 +1,139 @@
+"""FSDP2 (``fully_shard``) under the guard: two gloo ranks where only rank 1 runs out of memory, in forward, backward,
+an all-gather, a reduce-scatter and the optimizer step; and what the guard refuses or leaves off the ladder.
+
+Every job runs under a hard timeout (tests/helpers/launch.py): a rank left in a collective is killed and the test
+fails. See tests/fsdp_worker.py for what each rank does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers.launch import RANKS, WORLD, launch
+from helpers.models import make_llama, make_mlp
+from helpers.steps import mse_step
+from torch.distributed.fsdp import FSDPModule
+
+from oomguard import GuardConfigError, OOMGuard, Plan
+from oomguard._effects.sharding import SHARDED
+from oomguard._ladder.rungs import RungContext, builtin
+
+WORKER = Path(__file__).resolve().parent / "fsdp_worker.py"
+
+
+def reports(out: Path) -> list[dict[str, Any]]:
+    return [json.loads((out / f"report{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp")
+    codes, hung = launch(WORKER, out, "run", timeout=420)
+    logs = "\n".join((out / f"rank{r}.log").read_text()[-4000:] for r in range(WORLD))
+    assert not hung, f"a rank hung and was killed:\n{logs}"
+    assert codes == [0, 0], logs
+    return out
+
+
+@pytest.mark.integration
+@pytest.mark.subprocess
+@RANKS
+def test_every_rank_recovers_from_one_ranks_oom_anywhere_in_an_fsdp2_step(sharded_run: Path) -> None:
+    rank0, rank1 = reports(sharded_run)
+    assert rank1["faults_fired"] == dict.fromkeys(
+        ["all_gather", "forward", "backward", "reduce_scatter", "optimizer"], True
+    )
+    assert not any(rank0["faults_fired"].values()), "only rank 1 ran out of memory"
+    assert rank0["agreement"] == rank1["agreement"] == "FSDPAgreement"
+    # Rank 1's all-gather and reduce-scatter buffers failed to allocate inside the gated comms: it passed their
+    # gates with its failure, and rank 0 was never left in either collective.
+    assert rank1["gate_failures"] == 2 and rank0["gate_failures"] == 0
+    assert rank0["budget"] == rank0["peak"] // 4, "a quarter of the plain FSDP step's peak"
+    assert [s["plan"] for s in rank0["steps"]] == [s["plan"] for s in rank1["steps"]], "one plan on every rank"
+    assert [s["ooms"] for s in rank0["steps"]] == [s["ooms"] for s in rank1["steps"]]
+    assert all(s["ooms"] >= 1 for s in rank0["steps"]), "rank 0 retried every time rank 1 failed"
+    assert any(s["plan"]["micro_batch_size"] for s in rank0["steps"]), "the budget made the ranks split the batch"
+    assert all(s["clean"] for s in rank0["steps"] + rank1["steps"]), "FSDP resharded, no unsharded gradient left"
+    assert rank0["adam_steps"] == rank1["adam_steps"] == [5], "one optimizer step per call, no more"
+    events = [json.loads(line) for line in (sharded_run / "events.jsonl").read_text().splitlines()]
+    assert {e["error"]["error_type"] for e in events if e["event"] == "oom"} >= {"PeerOutOfMemory"}
+
+
+@pytest.mark.integration
+@pytest.mark.subprocess
+@RANKS
+def test_fsdp2_weights_equal_a_single_process_fp32_run_on_the_whole_batch(sharded_run: Path) -> None:
+    from fsdp_worker import EPS, LR, global_batches
+
+    weights = [torch.load(sharded_run / f"weights{rank}.pt") for rank in range(WORLD)]
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), f"{name} differs between the ranks"
+    reference = make_llama(layers=4, hidden=64)
+    initial = {name: value.clone() for name, value in reference.state_dict().items()}
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
+    for batch in global_batches():  # the whole batch: the ranks' average of equal halves is its mean
+        optimizer.zero_grad()
+        reference(**batch).loss.backward()
+        optimizer.step()
+    assert set(weights[0]) == set(reference.state_dict())
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(weights[0][name], value, rtol=0, atol=1e-5)
+    assert any(not torch.equal(initial[name], value) for name, value in reference.state_dict().items())
+
+
+# -- what the guard refuses, and the rungs that stay off the ladder (one process, no process group) ---------------
+
+
+def _sharded_looking(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with its class swapped for an ``FSDPModule`` subclass, as ``fully_shard`` does (no mesh needed)."""
+    module.__class__ = type(f"FSDP{type(module).__name__}", (FSDPModule, type(module)), {})
+    return module
+
+
+def test_fsdp1_is_refused_up_front_with_what_to_use_instead() -> None:
+    flat = type("FullyShardedDataParallel", (torch.nn.Linear,), {})(4, 4)
+    model = torch.nn.Sequential(flat, torch.nn.Linear(4, 1))
+    with pytest.raises(GuardConfigError, match=r"FSDP1.*fully_shard"):
+        OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_fsdp2_with_clipping_is_refused_and_without_it_accepted() -> None:
+    model = make_mlp()
+    _sharded_looking(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(GuardConfigError, match="max_grad_norm"):
+        OOMGuard(mse_step(model), model=model, optimizer=optimizer, max_grad_norm=1.0)
+    OOMGuard(mse_step(model), model=model, optimizer=optimizer).close()
+
+
+@pytest.mark.parametrize(
+    "name", ["optimizer_offload", "layer_offload", "quantized_optimizer", "quantized_weights", "chunked_loss"]
+)
+def test_rungs_that_cannot_work_on_sharded_parameters_stay_off_the_ladder(name: str) -> None:
+    rung = builtin(name)
+    assert rung is not None
+    facts = {"chunked_loss_applies": True, "trainable_bytes": 1, "state_ratio": 2.0, "block_bytes": (1, 1)}
+    unsharded = RungContext(batch_size=8, num_blocks=2, frozen_linears=True, facts={**facts, SHARDED: False})
+    sharded = RungContext(batch_size=8, num_blocks=2, frozen_linears=True, facts={**facts, SHARDED: True})
+    assert rung.escalate(Plan(), unsharded) is not None, "the rung applies to this model unsharded"
+    assert rung.escalate(Plan(), sharded) is None
+
+
+def test_amp_gives_bf16_under_fsdp2_but_not_fp16() -> None:
+    amp = builtin("amp")
+    assert amp is not None
+    bf16 = amp.escalate(Plan(), RungContext(batch_size=8, facts={SHARDED: True}))
+    assert bf16 is not None and bf16.precision == "bf16"
+    assert amp.escalate(Plan(), RungContext(batch_size=8, bf16_supported=False, facts={SHARDED: True})) is None
+    assert amp.escalate(Plan(), RungContext(batch_size=8, bf16_supported=False)) is not None
+
+
+@pytest.mark.parametrize("name", ["micro_batch", "checkpointing", "activation_offload"])
+def test_the_exact_rungs_still_apply_under_fsdp2(name: str) -> None:
+    rung = builtin(name)
+    assert rung is not None
+    assert rung.escalate(Plan(), RungContext(batch_size=8, num_blocks=4, facts={SHARDED: True})) is not None
