@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers.models import VOCAB, make_llama
 
-from oomguard import OOMGuard
+from oomguard import OOMGuard, Plan
 from oomguard.testing import SimulatedGPU
 
 STEPS = 5
@@ -35,13 +35,21 @@ EPS = 1e-3  # Adam's update of a gradient near zero amplifies float rounding; a 
 LADDER = ["micro_batch", "checkpointing", "activation_offload"]
 #: Rank 1's fault in each step: where its one out-of-memory error is raised.
 FAULTS = {0: "all_gather", 1: "forward", 2: "backward", 3: "reduce_scatter", 4: "optimizer"}
+#: Each mode's faults (on rank 1, on rank 0 where the job has one rank) and the plan it starts on: "run" the
+#: default plan; "offload" full checkpointing and activation offload of the sharded blocks (three steps); "single"
+#: a process group of one (FSDP's micro-batching and its reset after a failure, with no peer).
+MODES: dict[str, tuple[dict[int, str], Plan]] = {
+    "run": (FAULTS, Plan()),
+    "offload": ({1: "forward", 2: "backward"}, Plan(checkpointing="full", activation_offload=True)),
+    "single": ({0: "forward", 1: "backward", 2: "optimizer"}, Plan()),
+}
 
 
-def global_batches() -> list[dict[str, torch.Tensor]]:
+def global_batches(steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
     """Every step's whole batch: rows of equal length (no padding), so each rank's half holds as many counted
     tokens as the other's, and the average of the two ranks' mean losses is the whole batch's mean."""
     out = []
-    for step in range(STEPS):
+    for step in range(steps):
         ids = torch.randint(0, VOCAB, (ROWS, TOKENS), generator=torch.Generator().manual_seed(50 + step))
         out.append({"input_ids": ids, "labels": ids.clone()})
     return out
@@ -90,16 +98,19 @@ def clean(model: torch.nn.Module) -> bool:
 def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    batches = [{k: v[rank::world].contiguous() for k, v in batch.items()} for batch in global_batches()]
+    faults, start = MODES[mode]
+    whole = global_batches(max(faults) + 1)
+    batches = [{k: v[rank::world].contiguous() for k, v in batch.items()} for batch in whole]
+    faulty = world - 1  # (rank 1; rank 0 of a job of one)
     peak = plain_peak(mesh, batches[0])
     model = sharded_llama(mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     gpu = SimulatedGPU(peak // 4)
     step_index = [0]
-    armed = dict.fromkeys(FAULTS.values(), False)
+    armed = dict.fromkeys(faults.values(), False)
 
     def arm(kind: str, count: int = 1) -> None:
-        if rank == 1 and FAULTS.get(step_index[0]) == kind and not armed[kind]:
+        if rank == faulty and faults.get(step_index[0]) == kind and not armed[kind]:
             armed[kind] = True
             gpu.fail_allocation(count)
 
@@ -111,7 +122,7 @@ def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
 
     def train_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         loss = model(**batch).loss
-        if rank == 1 and FAULTS.get(step_index[0]) == "backward" and not armed["backward"]:
+        if rank == faulty and faults.get(step_index[0]) == "backward" and not armed["backward"]:
             loss.register_hook(lambda grad: arm("backward", 2))  # inside this rank's backward compute
         return loss
 
@@ -120,16 +131,16 @@ def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
         model=model,
         optimizer=optimizer,
         log_file=out / "events.jsonl",
-        preplan=False,
         step_journal="always",  # (a fault armed inside the step, after the ranks agreed whether to journal it)
         ladder=LADDER,
     )
+    guard.plan = start
     report: dict[str, Any] = {"peak": peak, "budget": peak // 4, "steps": []}
     with gpu:
         gpu.adopt(model)
         for step, batch in enumerate(batches):
             step_index[0] = step
-            if step == 3:  # (the guard made its agreement, and the gated comms, at its first call)
+            if faults.get(step) == "reduce_scatter":  # (the guard made the gated comms at its first call)
                 fail_first_reduce_scatter(model, lambda: arm("reduce_scatter"))
             result = guard(batch)
             report["steps"].append(

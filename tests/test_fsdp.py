@@ -8,12 +8,14 @@ fails. See tests/fsdp_worker.py for what each rank does.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers.launch import RANKS, WORLD, launch
+from helpers.launch import ENV, RANKS, WORLD, launch, rendezvous
 from helpers.models import make_llama, make_mlp
 from helpers.steps import mse_step
 from torch.distributed.fsdp import FSDPModule
@@ -67,15 +69,51 @@ def test_every_rank_recovers_from_one_ranks_oom_anywhere_in_an_fsdp2_step(sharde
 @pytest.mark.subprocess
 @RANKS
 def test_fsdp2_weights_equal_a_single_process_fp32_run_on_the_whole_batch(sharded_run: Path) -> None:
+    assert_weights_equal_a_single_process_run(sharded_run, steps=5, world=WORLD)
+
+
+@pytest.mark.integration
+@pytest.mark.subprocess
+@RANKS
+def test_checkpointing_and_activation_offload_of_sharded_blocks_stay_exact(tmp_path: Path) -> None:
+    codes, hung = launch(WORKER, tmp_path, "offload", timeout=300)
+    assert not hung and codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+    rank0, rank1 = reports(tmp_path)
+    assert rank1["faults_fired"] == {"forward": True, "backward": True} and not any(rank0["faults_fired"].values())
+    plans = [[s["plan"] for s in report["steps"]] for report in (rank0, rank1)]
+    assert plans[0] == plans[1]
+    assert all(plan["checkpointing"] == "full" and plan["activation_offload"] for plan in plans[0])
+    assert all(s["clean"] for s in rank0["steps"] + rank1["steps"])
+    assert_weights_equal_a_single_process_run(tmp_path, steps=3, world=WORLD)
+
+
+@pytest.mark.integration
+@pytest.mark.subprocess
+def test_fsdp2_on_a_process_group_of_one_is_reset_after_each_failure(tmp_path: Path) -> None:
+    """No peer to agree with, but FSDP's state must still be reset after a failed attempt, and its micro-batching
+    must still sync only in the last backward."""
+    command = [sys.executable, str(WORKER), "0", "1", rendezvous(), str(tmp_path), "single"]
+    with (tmp_path / "rank0.log").open("w") as log:
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=ENV, timeout=300, check=False)
+    assert done.returncode == 0, (tmp_path / "rank0.log").read_text()[-3000:]
+    (report,) = [json.loads((tmp_path / "report0.json").read_text())]
+    assert all(report["faults_fired"].values()) and report["agreement"] == "FSDPAgreement"
+    assert all(s["clean"] for s in report["steps"]) and report["adam_steps"] == [3]
+    assert_weights_equal_a_single_process_run(tmp_path, steps=3, world=1)
+
+
+def assert_weights_equal_a_single_process_run(out: Path, steps: int, world: int) -> None:
+    """Every rank's gathered weights are equal, and within 1e-5 of one process's fp32 AdamW run on the whole of
+    each global batch (the ranks' average of equal halves is its mean)."""
     from fsdp_worker import EPS, LR, global_batches
 
-    weights = [torch.load(sharded_run / f"weights{rank}.pt") for rank in range(WORLD)]
+    weights = [torch.load(out / f"weights{rank}.pt") for rank in range(world)]
     for name in weights[0]:
-        assert torch.equal(weights[0][name], weights[1][name]), f"{name} differs between the ranks"
+        assert all(torch.equal(weights[0][name], other[name]) for other in weights), f"{name} differs between ranks"
     reference = make_llama(layers=4, hidden=64)
     initial = {name: value.clone() for name, value in reference.state_dict().items()}
     optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
-    for batch in global_batches():  # the whole batch: the ranks' average of equal halves is its mean
+    for batch in global_batches(steps):
         optimizer.zero_grad()
         reference(**batch).loss.backward()
         optimizer.step()

@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from oomguard._distributed.agreement import Agreement, Verdict
+from oomguard._distributed.agreement import Agreement, Verdict, distributed_active
 from oomguard._distributed.peers import Outcome, failure_outcome, peer_failure
 from oomguard._effects.sharding import is_fsdp
 from oomguard._errors import GuardConfigError
@@ -95,11 +95,13 @@ def check_sharded(model: torch.nn.Module, max_grad_norm: float | None) -> None:
         )
 
 
-def agreement_for(model: torch.nn.Module, device: torch.device, ladder: Ladder) -> Agreement:
-    """The agreement protocol for ``model``: with FSDP's collectives gated where ``fully_shard`` wrapped it."""
-    if is_fsdp(model):
+def agreement_for(model: torch.nn.Module, device: torch.device, ladder: Ladder) -> Agreement | None:
+    """The agreement protocol for ``model`` (None: a single process, nothing to agree): with FSDP's collectives
+    gated where ``fully_shard`` wrapped it. An FSDP2 model on a process group of one gets it too, for its
+    micro-batching and for the reset of FSDP's state after a failed attempt (its gates agree with itself)."""
+    if is_fsdp(model) and dist.is_available() and dist.is_initialized():
         return FSDPAgreement(model, device, ladder)
-    return Agreement(device, ladder)
+    return Agreement(device, ladder) if distributed_active() else None
 
 
 def _in_backward() -> bool:
