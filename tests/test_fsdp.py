@@ -123,6 +123,38 @@ def assert_weights_equal_a_single_process_run(out: Path, steps: int, world: int)
     assert any(not torch.equal(initial[name], value) for name, value in reference.state_dict().items())
 
 
+SWEEP = Path(__file__).resolve().parent / "fsdp_sweep.py"
+
+
+def check_fsdp_sweep(out: Path, mode: str, timeout: float) -> dict[str, Any]:
+    """The FSDP2 fault sweep on two gloo ranks (tests/fsdp_sweep.py): every case agreed, clean and exact."""
+    codes, hung = launch(SWEEP, out, mode, timeout=timeout)
+    assert not hung and codes == [0, 0], "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+    rank0, rank1 = reports(out)
+    assert rank0["problems"] == rank1["problems"] == []
+    assert rank1["allocations"] > 100 and rank1["faults"] >= 20
+    # Each fault fired, but those armed in the last allocations of the optimizer step: with a fault armed, the
+    # step's journal keeps its copies on the host, so the faulted step allocates less on the device there.
+    assert all(fault > 0.8 * rank1["allocations"] for fault in rank1["unfired"])
+    return rank1
+
+
+@pytest.mark.integration
+@pytest.mark.subprocess
+@RANKS
+def test_fsdp2_fault_sweep_on_a_sample_of_rank_ones_allocations(tmp_path: Path) -> None:
+    check_fsdp_sweep(tmp_path, "sample", timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.subprocess
+@RANKS
+def test_fsdp2_fault_sweep_on_every_allocation_of_rank_ones_step(tmp_path: Path) -> None:
+    report = check_fsdp_sweep(tmp_path, "every", timeout=1800)
+    assert report["faults"] == report["allocations"]
+
+
 # -- what the guard refuses, and the rungs that stay off the ladder (one process, no process group) ---------------
 
 

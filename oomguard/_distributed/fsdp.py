@@ -44,7 +44,10 @@ gradient FSDP accumulated for micro-batches without sync is dropped: the retry s
 ``set_is_last_backward(True)``. The reduce-scatter averages over ranks; on gloo it runs as a sum divided afterwards
 (gloo's averaging under FSDP2 is silently wrong: pytorch#162338).
 
-Cost: one small all-reduce, and a host sync to read it, per FSDP collective.
+Cost: one small all-reduce, and a host sync to read it, per FSDP collective. The gated comms stay installed for
+the guard's life, so FSDP collectives outside a guarded call (an evaluation forward) pass gates too: every rank
+passes them alike, and an OOM there is only agreed where it hits one of FSDP's buffers (the rest of an
+evaluation forward is not the guard's to recover).
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from oomguard._distributed.peers import Outcome, failure_outcome, peer_failure
 from oomguard._effects.sharding import is_fsdp
 from oomguard._errors import GuardConfigError
 from oomguard._ladder.ladder import Ladder
-from oomguard._ladder.plan import Phase
+from oomguard._ladder.plan import Phase, Plan
 
 __all__ = ["FSDPAgreement", "agreement_for", "check_sharded", "fsdp_modules", "is_fsdp"]
 
@@ -136,6 +139,12 @@ class FSDPAgreement(Agreement):
         if verdict.outcome != "ok":
             self.settled = verdict
         return verdict
+
+    def plan(self, plan: Plan, batch_size: int, ladder: Ladder) -> Plan:
+        """The plan every rank starts the call on; a gate an FSDP collective passed outside a guarded call (the
+        user's evaluation forward) settled nothing this call should read."""
+        self.settled = None
+        return super().plan(plan, batch_size, ladder)
 
     def after_backward(self, outcome: Outcome, phase: Phase, journal: bool) -> Verdict:
         """Agreement A, unless a gate settled this attempt already (then no collective: every rank settled)."""
