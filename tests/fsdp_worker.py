@@ -153,6 +153,14 @@ def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
     report["adam_steps"] = sorted({int(optimizer.state[p]["step"]) for p in model.parameters()})
     full = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}  # (every rank gathers)
     guard.close()
+    report["comms_after_close"] = sorted(
+        {
+            type(group._all_gather_comm).__name__ + "/" + type(group._reduce_scatter_comm).__name__
+            for module in model.modules()
+            if isinstance(module, FSDPModule)
+            for group in module._get_fsdp_state()._fsdp_param_groups  # type: ignore[attr-defined]
+        }
+    )
     torch.save(full, out / f"weights{rank}.pt")
     (out / f"report{rank}.json").write_text(json.dumps(report))
     dist.barrier()

@@ -61,6 +61,7 @@ def test_every_rank_recovers_from_one_ranks_oom_anywhere_in_an_fsdp2_step(sharde
     assert any(s["plan"]["micro_batch_size"] for s in rank0["steps"]), "the budget made the ranks split the batch"
     assert all(s["clean"] for s in rank0["steps"] + rank1["steps"]), "FSDP resharded, no unsharded gradient left"
     assert rank0["adam_steps"] == rank1["adam_steps"] == [5], "one optimizer step per call, no more"
+    assert rank0["comms_after_close"] == ["DefaultAllGather/DefaultReduceScatter"], "close() put FSDP's own back"
     events = [json.loads(line) for line in (sharded_run / "events.jsonl").read_text().splitlines()]
     assert {e["error"]["error_type"] for e in events if e["event"] == "oom"} >= {"PeerOutOfMemory"}
 

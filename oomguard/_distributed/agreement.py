@@ -96,6 +96,9 @@ class Agreement:
         """After a failed attempt, before the retry: nothing under DDP (see ``quiet_ddp``); FSDP2 resets its
         iteration state."""
 
+    def close(self) -> None:
+        """The guard closed: put back what the protocol changed on the model (nothing under DDP)."""
+
     def any(self, flag: bool) -> bool:
         """True on every rank if it is True on any (a bound hit on one rank's clock stops them all)."""
         return bool(self._all_max(int(flag))[0])

@@ -125,10 +125,30 @@ class FSDPAgreement(Agreement):
         #: tests and logs read.
         self.gate_failures = 0
         self.separate_host = True  # (as the runner's backend: every device the guard runs on but the CPU-only one)
-        gather, scatter = _GatedAllGather(self), _GatedReduceScatter(self)
+        self._gates = (_GatedAllGather(self), _GatedReduceScatter(self))
+        #: Each module's own comms while the gated ones are installed (put back by :meth:`close`).
+        self._own: list[tuple[FSDPModule, Any, Any]] = []
+        self._install()
+
+    def _install(self) -> None:
+        if self._own:
+            return
+        gather, scatter = self._gates
         for module in self.modules:
+            groups = module._get_fsdp_state()._fsdp_param_groups  # type: ignore[attr-defined]
+            if not groups:  # (a module fully_shard found no parameters in: it never gathers)
+                continue
+            group = groups[0]  # (FSDP's setters refuse a module of several groups: a per-parameter mesh)
+            self._own.append((module, group._all_gather_comm, group._reduce_scatter_comm))
             module.set_custom_all_gather(gather)
             module.set_custom_reduce_scatter(scatter)
+
+    def close(self) -> None:
+        """The modules' own comms back (the guard closed); the next call installs the gated ones again."""
+        for module, gather, scatter in self._own:
+            module.set_custom_all_gather(gather)
+            module.set_custom_reduce_scatter(scatter)
+        self._own = []
 
     # -- the gate -------------------------------------------------------------------------------------
     def gate(self, outcome: Outcome, phase: Phase) -> Verdict:
@@ -144,6 +164,7 @@ class FSDPAgreement(Agreement):
         """The plan every rank starts the call on; a gate an FSDP collective passed outside a guarded call (the
         user's evaluation forward) settled nothing this call should read."""
         self.settled = None
+        self._install()  # (every rank: the call is a point all ranks reach)
         return super().plan(plan, batch_size, ladder)
 
     def after_backward(self, outcome: Outcome, phase: Phase, journal: bool) -> Verdict:

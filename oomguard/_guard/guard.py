@@ -163,6 +163,8 @@ class OOMGuard:
         """Undo every effect of the current plan (checkpointing off, offloaded tensors back on the device); the
         guard stays usable: the next call re-applies its plan."""
         self.effects.close()
+        if self._runner.agreement is not None:
+            self._runner.agreement.close()  # (FSDP2: its own comms back)
 
     def summary(self) -> GuardSummary:
         """Which fallbacks were needed and how often."""
