@@ -208,3 +208,10 @@ def test_the_exact_rungs_still_apply_under_fsdp2(name: str) -> None:
     rung = builtin(name)
     assert rung is not None
     assert rung.escalate(Plan(), RungContext(batch_size=8, num_blocks=4, facts={SHARDED: True})) is not None
+
+
+def test_fsdp2_on_a_torch_without_the_reset_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(FSDPModule, "reset_iter_state")  # (torch before 2.13)
+    model = _sharded_looking(make_mlp())
+    with pytest.raises(GuardConfigError, match=r"torch 2.13 or newer.*reset_iter_state"):
+        OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

@@ -57,8 +57,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # (an older torch: check_sharded refuses FSDP2 there)
+    FSDPModule = AllGather = ReduceScatter = object  # type: ignore[assignment,misc]
 
 from oomguard._distributed.agreement import Agreement, Verdict, distributed_active
 from oomguard._distributed.peers import Outcome, failure_outcome, peer_failure
@@ -81,6 +85,10 @@ def _roots(model: torch.nn.Module) -> list[FSDPModule]:
     return [module for module in fsdp_modules(model) if id(module) not in inner]
 
 
+#: What the guard needs of torch's FSDP2: its gated comms and the reset after a failed attempt.
+_NEEDS = ("set_custom_all_gather", "set_custom_reduce_scatter", "reset_iter_state")
+
+
 def check_sharded(model: torch.nn.Module, max_grad_norm: float | None) -> None:
     """Refuse what the guard cannot keep safe: FSDP1, and FSDP2 with clipping (its norm is a collective)."""
     for module in model.modules():
@@ -90,6 +98,12 @@ def check_sharded(model: torch.nn.Module, max_grad_norm: float | None) -> None:
                 "its flat-parameter collectives could hang the other ranks. Shard with FSDP2 instead "
                 "(torch.distributed.fsdp.fully_shard per block, then on the root), or use DistributedDataParallel"
             )
+    if is_fsdp(model) and not all(hasattr(FSDPModule, name) for name in _NEEDS):
+        raise GuardConfigError(
+            f"the model is sharded with fully_shard (FSDP2), which oomguard guards with torch 2.13 or newer "
+            f"(FSDPModule.{', '.join(_NEEDS)}); this is torch {torch.__version__}. Upgrade torch, or use "
+            f"DistributedDataParallel"
+        )
     if max_grad_norm is not None and is_fsdp(model):
         raise GuardConfigError(
             f"max_grad_norm={max_grad_norm} with an FSDP2 model: clipping sharded gradients all-reduces their norm "

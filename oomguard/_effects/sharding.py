@@ -10,9 +10,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from oomguard._effects.base import EffectTarget
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # (a torch built without torch.distributed, or older than FSDP2's public name)
+    FSDPModule = None  # type: ignore[assignment,misc]
 
 __all__ = ["SHARDED", "is_fsdp", "sharded_fact"]
 
@@ -21,7 +25,10 @@ SHARDED = "fsdp_sharded"
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
-    """Whether ``fully_shard`` (FSDP2) wrapped ``model`` or any module inside it."""
+    """Whether ``fully_shard`` (FSDP2) wrapped ``model`` or any module inside it (where torch has no public
+    ``FSDPModule``: any module whose class ``fully_shard`` named ``FSDP<Name>``)."""
+    if FSDPModule is None:
+        return any(type(module).__name__.startswith("FSDP") for module in model.modules())
     return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
