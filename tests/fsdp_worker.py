@@ -35,13 +35,18 @@ EPS = 1e-3  # Adam's update of a gradient near zero amplifies float rounding; a 
 LADDER = ["micro_batch", "checkpointing", "activation_offload"]
 #: Rank 1's fault in each step: where its one out-of-memory error is raised.
 FAULTS = {0: "all_gather", 1: "forward", 2: "backward", 3: "reduce_scatter", 4: "optimizer"}
-#: Each mode's faults (on rank 1, on rank 0 where the job has one rank) and the plan it starts on: "run" the
-#: default plan; "offload" full checkpointing and activation offload of the sharded blocks (three steps); "single"
-#: a process group of one (FSDP's micro-batching and its reset after a failure, with no peer).
-MODES: dict[str, tuple[dict[int, str], Plan]] = {
-    "run": (FAULTS, Plan()),
-    "offload": ({1: "forward", 2: "backward"}, Plan(checkpointing="full", activation_offload=True)),
-    "single": ({0: "forward", 1: "backward", 2: "optimizer"}, Plan()),
+#: Each mode's faults (rank -> step -> where) and the plan it starts on: "run" the default plan; "offload" full
+#: checkpointing and activation offload of the sharded blocks (three steps); "single" a process group of one
+#: (FSDP's micro-batching and its reset after a failure, with no peer); "both" both ranks failing in the same
+#: attempt, each in a different place (one inside an all-gather, the other in compute after it).
+MODES: dict[str, tuple[dict[int, dict[int, str]], Plan]] = {
+    "run": ({1: FAULTS}, Plan()),
+    "offload": ({1: {1: "forward", 2: "backward"}}, Plan(checkpointing="full", activation_offload=True)),
+    "single": ({0: {0: "forward", 1: "backward", 2: "optimizer"}}, Plan()),
+    "both": (
+        {0: {0: "forward0", 1: "all_gather", 2: "optimizer"}, 1: {0: "all_gather", 1: "backward", 2: "optimizer"}},
+        Plan(),
+    ),
 }
 
 
@@ -98,10 +103,10 @@ def clean(model: torch.nn.Module) -> bool:
 def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    faults, start = MODES[mode]
-    whole = global_batches(max(faults) + 1)
+    every, start = MODES[mode]
+    faults = every.get(rank, {})  # (this rank's)
+    whole = global_batches(max(step for steps in every.values() for step in steps) + 1)
     batches = [{k: v[rank::world].contiguous() for k, v in batch.items()} for batch in whole]
-    faulty = world - 1  # (rank 1; rank 0 of a job of one)
     peak = plain_peak(mesh, batches[0])
     model = sharded_llama(mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
@@ -110,7 +115,7 @@ def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
     armed = dict.fromkeys(faults.values(), False)
 
     def arm(kind: str, count: int = 1) -> None:
-        if rank == faulty and faults.get(step_index[0]) == kind and not armed[kind]:
+        if faults.get(step_index[0]) == kind and not armed[kind]:
             armed[kind] = True
             gpu.fail_allocation(count)
 
@@ -118,11 +123,13 @@ def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
     model.model.layers[1].register_forward_pre_hook(lambda *_: arm("all_gather"), prepend=True)
     # After it (its parameters gathered): the next allocation is layer 2's forward compute.
     model.model.layers[2].register_forward_pre_hook(lambda *_: arm("forward"))
+    # Layer 0's compute: before layer 1's all-gather, so this rank's agreement meets the other's gate there.
+    model.model.layers[0].register_forward_pre_hook(lambda *_: arm("forward0"))
     optimizer.register_step_pre_hook(lambda *_: arm("optimizer"))
 
     def train_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         loss = model(**batch).loss
-        if rank == faulty and faults.get(step_index[0]) == "backward" and not armed["backward"]:
+        if faults.get(step_index[0]) == "backward" and not armed["backward"]:
             loss.register_hook(lambda grad: arm("backward", 2))  # inside this rank's backward compute
         return loss
 

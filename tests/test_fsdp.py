@@ -90,6 +90,28 @@ def test_checkpointing_and_activation_offload_of_sharded_blocks_stay_exact(tmp_p
 
 @pytest.mark.integration
 @pytest.mark.subprocess
+@RANKS
+def test_both_ranks_failing_in_different_places_agree_and_stay_exact(tmp_path: Path) -> None:
+    codes, hung = launch(WORKER, tmp_path, "both", timeout=300)
+    assert not hung and codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+    rank0, rank1 = reports(tmp_path)
+    assert all(rank0["faults_fired"].values()) and all(rank1["faults_fired"].values())
+    assert rank1["gate_failures"] >= 1
+    assert [s["plan"] for s in rank0["steps"]] == [s["plan"] for s in rank1["steps"]]
+    assert [s["ooms"] for s in rank0["steps"]] == [s["ooms"] for s in rank1["steps"]]
+    assert all(s["clean"] for s in rank0["steps"] + rank1["steps"])
+    own = [
+        {(e["step"], e["attempt"]) for e in map(json.loads, (tmp_path / name).read_text().splitlines())
+         if e["event"] == "oom" and e["error"]["error_type"] == "OutOfMemoryError"}
+        for name in ("events.jsonl", "events.rank1.jsonl")
+    ]  # fmt: skip
+    assert own[0] & own[1], "some attempt failed on both ranks, each with its own OOM"
+    assert own[0] - own[1] and own[1] - own[0], "and some on one rank only, each way"
+    assert_weights_equal_a_single_process_run(tmp_path, steps=3, world=WORLD)
+
+
+@pytest.mark.integration
+@pytest.mark.subprocess
 def test_fsdp2_on_a_process_group_of_one_is_reset_after_each_failure(tmp_path: Path) -> None:
     """No peer to agree with, but FSDP's state must still be reset after a failed attempt, and its micro-batching
     must still sync only in the last backward."""
