@@ -38,11 +38,13 @@ FAULTS = {0: "all_gather", 1: "forward", 2: "backward", 3: "reduce_scatter", 4: 
 #: Each mode's faults (rank -> step -> where) and the plan it starts on: "run" the default plan; "offload" full
 #: checkpointing and activation offload of the sharded blocks (three steps); "single" a process group of one
 #: (FSDP's micro-batching and its reset after a failure, with no peer); "both" both ranks failing in the same
-#: attempt, each in a different place (one inside an all-gather, the other in compute after it).
+#: attempt, each in a different place (one inside an all-gather, the other in compute after it); "amp" bf16
+#: autocast on top of FSDP's (default, fp32) mixed-precision policy.
 MODES: dict[str, tuple[dict[int, dict[int, str]], Plan]] = {
     "run": ({1: FAULTS}, Plan()),
     "offload": ({1: {1: "forward", 2: "backward"}}, Plan(checkpointing="full", activation_offload=True)),
     "single": ({0: {0: "forward", 1: "backward", 2: "optimizer"}}, Plan()),
+    "amp": ({1: {1: "forward", 2: "backward"}}, Plan(precision="bf16")),
     "both": (
         {0: {0: "forward0", 1: "all_gather", 2: "optimizer"}, 1: {0: "all_gather", 1: "backward", 2: "optimizer"}},
         Plan(),

@@ -112,6 +112,21 @@ def test_both_ranks_failing_in_different_places_agree_and_stay_exact(tmp_path: P
 
 @pytest.mark.integration
 @pytest.mark.subprocess
+@RANKS
+def test_amp_autocasts_on_top_of_fsdp2s_policy_and_the_ranks_agree(tmp_path: Path) -> None:
+    codes, hung = launch(WORKER, tmp_path, "amp", timeout=300)
+    assert not hung and codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+    rank0, rank1 = reports(tmp_path)
+    assert all(rank1["faults_fired"].values()) and not rank0["faults_fired"]
+    plans = [[s["plan"] for s in report["steps"]] for report in (rank0, rank1)]
+    assert plans[0] == plans[1] and all(plan["precision"] == "bf16" for plan in plans[0])
+    assert all(s["clean"] for s in rank0["steps"] + rank1["steps"])
+    # bf16 autocast is mixed precision: within amp's tolerance of the fp32 run (7.8e-4 seen after three steps).
+    assert_weights_equal_a_single_process_run(tmp_path, steps=3, world=WORLD, atol=5e-3)
+
+
+@pytest.mark.integration
+@pytest.mark.subprocess
 def test_fsdp2_on_a_process_group_of_one_is_reset_after_each_failure(tmp_path: Path) -> None:
     """No peer to agree with, but FSDP's state must still be reset after a failed attempt, and its micro-batching
     must still sync only in the last backward."""
@@ -125,8 +140,8 @@ def test_fsdp2_on_a_process_group_of_one_is_reset_after_each_failure(tmp_path: P
     assert_weights_equal_a_single_process_run(tmp_path, steps=3, world=1)
 
 
-def assert_weights_equal_a_single_process_run(out: Path, steps: int, world: int) -> None:
-    """Every rank's gathered weights are equal, and within 1e-5 of one process's fp32 AdamW run on the whole of
+def assert_weights_equal_a_single_process_run(out: Path, steps: int, world: int, atol: float = 1e-5) -> None:
+    """Every rank's gathered weights are equal, and within ``atol`` of one process's fp32 AdamW run on the whole of
     each global batch (the ranks' average of equal halves is its mean)."""
     from fsdp_worker import EPS, LR, global_batches
 
@@ -142,7 +157,7 @@ def assert_weights_equal_a_single_process_run(out: Path, steps: int, world: int)
         optimizer.step()
     assert set(weights[0]) == set(reference.state_dict())
     for name, value in reference.state_dict().items():
-        torch.testing.assert_close(weights[0][name], value, rtol=0, atol=1e-5)
+        torch.testing.assert_close(weights[0][name], value, rtol=0, atol=atol)
     assert any(not torch.equal(initial[name], value) for name, value in reference.state_dict().items())
 
 
