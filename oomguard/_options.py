@@ -86,7 +86,7 @@ class GuardOptions:
             raise GuardConfigError(
                 f"max_grad_norm must be positive (or None to disable clipping), got {self.max_grad_norm!r}"
             )
-        check_sharded(self.model, self.max_grad_norm)  # FSDP2 is guarded (FSDP1 refused): see _distributed.fsdp
+        check_sharded(self.model)  # FSDP2 is guarded (FSDP1 refused): see _distributed.fsdp
         if self.reduction not in ("mean", "sum"):
             raise GuardConfigError(
                 f"reduction must be 'mean' or 'sum' (how the step's loss reduces), got {self.reduction!r}"

@@ -25,11 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers.models import VOCAB, make_llama
 
 from oomguard import OOMGuard, Plan
+from oomguard._distributed.fsdp import FSDPAgreement
 from oomguard.testing import SimulatedGPU
 
 STEPS = 5
 ROWS, TOKENS = 32, 64  # the global batch: each rank trains on half of its rows
 LR = 1e-2
+CLIP = 0.2  # (below every step's gradient norm here: the clip scales the gradients)
 EPS = 1e-3  # Adam's update of a gradient near zero amplifies float rounding; a larger eps keeps it tame
 #: The exact rungs only (no amp): the weights must equal a single process's fp32 run.
 LADDER = ["micro_batch", "checkpointing", "activation_offload"]
@@ -39,12 +41,14 @@ FAULTS = {0: "all_gather", 1: "forward", 2: "backward", 3: "reduce_scatter", 4: 
 #: checkpointing and activation offload of the sharded blocks (three steps); "single" a process group of one
 #: (FSDP's micro-batching and its reset after a failure, with no peer); "both" both ranks failing in the same
 #: attempt, each in a different place (one inside an all-gather, the other in compute after it); "amp" bf16
-#: autocast on top of FSDP's (default, fp32) mixed-precision policy.
+#: autocast on top of FSDP's (default, fp32) mixed-precision policy; "clip" max_grad_norm=CLIP, rank 1 failing
+#: inside the clip of sharded gradients (before its gate) in step 0.
 MODES: dict[str, tuple[dict[int, dict[int, str]], Plan]] = {
     "run": ({1: FAULTS}, Plan()),
     "offload": ({1: {1: "forward", 2: "backward"}}, Plan(checkpointing="full", activation_offload=True)),
     "single": ({0: {0: "forward", 1: "backward", 2: "optimizer"}}, Plan()),
     "amp": ({1: {1: "forward", 2: "backward"}}, Plan(precision="bf16")),
+    "clip": ({1: {0: "clip", 1: "forward", 2: "optimizer"}}, Plan()),
     "both": (
         {0: {0: "forward0", 1: "all_gather", 2: "optimizer"}, 1: {0: "all_gather", 1: "backward", 2: "optimizer"}},
         Plan(),
@@ -128,6 +132,15 @@ def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
     # Layer 0's compute: before layer 1's all-gather, so this rank's agreement meets the other's gate there.
     model.model.layers[0].register_forward_pre_hook(lambda *_: arm("forward0"))
     optimizer.register_step_pre_hook(lambda *_: arm("optimizer"))
+    clip = FSDPAgreement.clip
+
+    def armed_clip(self: FSDPAgreement, params: list[torch.Tensor], max_norm: float) -> float:
+        arm("clip")  # (the next allocation: the first local norm, before the clip's gate)
+        norms.append(clip(self, params, max_norm))
+        return norms[-1]
+
+    norms: list[float] = []
+    FSDPAgreement.clip = armed_clip  # type: ignore[method-assign]
 
     def train_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         loss = model(**batch).loss
@@ -142,6 +155,7 @@ def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
         log_file=out / "events.jsonl",
         step_journal="always",  # (a fault armed inside the step, after the ranks agreed whether to journal it)
         ladder=LADDER,
+        max_grad_norm=CLIP if mode == "clip" else None,
     )
     guard.plan = start
     report: dict[str, Any] = {"peak": peak, "budget": peak // 4, "steps": []}
@@ -159,6 +173,7 @@ def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
         report["agreement"] = type(agreement).__name__
         report["gate_failures"] = getattr(agreement, "gate_failures", None)
     report["faults_fired"] = armed
+    report["norms"] = norms
     report["adam_steps"] = sorted({int(optimizer.state[p]["step"]) for p in model.parameters()})
     full = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}  # (every rank gathers)
     guard.close()

@@ -127,6 +127,25 @@ def test_amp_autocasts_on_top_of_fsdp2s_policy_and_the_ranks_agree(tmp_path: Pat
 
 @pytest.mark.integration
 @pytest.mark.subprocess
+@RANKS
+def test_clipping_sharded_gradients_is_agreed_and_exact(tmp_path: Path) -> None:
+    """The norm of sharded gradients is a collective: rank 1 runs out of memory inside the clip (before its gate)
+    in step 0, in forward in step 1 and in the optimizer step in step 2; the clipped steps equal one process's."""
+    from fsdp_worker import CLIP
+
+    codes, hung = launch(WORKER, tmp_path, "clip", timeout=300)
+    assert not hung and codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+    rank0, rank1 = reports(tmp_path)
+    assert all(rank1["faults_fired"].values()) and not rank0["faults_fired"]
+    assert [s["plan"] for s in rank0["steps"]] == [s["plan"] for s in rank1["steps"]]
+    assert [s["ooms"] for s in rank0["steps"]] == [s["ooms"] for s in rank1["steps"]]
+    assert rank0["norms"] == rank1["norms"] and all(norm > CLIP for norm in rank0["norms"])
+    assert all(s["clean"] for s in rank0["steps"] + rank1["steps"])
+    assert_weights_equal_a_single_process_run(tmp_path, steps=3, world=WORLD, max_norm=CLIP)
+
+
+@pytest.mark.integration
+@pytest.mark.subprocess
 def test_fsdp2_on_a_process_group_of_one_is_reset_after_each_failure(tmp_path: Path) -> None:
     """No peer to agree with, but FSDP's state must still be reset after a failed attempt, and its micro-batching
     must still sync only in the last backward."""
@@ -140,9 +159,11 @@ def test_fsdp2_on_a_process_group_of_one_is_reset_after_each_failure(tmp_path: P
     assert_weights_equal_a_single_process_run(tmp_path, steps=3, world=1)
 
 
-def assert_weights_equal_a_single_process_run(out: Path, steps: int, world: int, atol: float = 1e-5) -> None:
+def assert_weights_equal_a_single_process_run(
+    out: Path, steps: int, world: int, atol: float = 1e-5, max_norm: float | None = None
+) -> None:
     """Every rank's gathered weights are equal, and within ``atol`` of one process's fp32 AdamW run on the whole of
-    each global batch (the ranks' average of equal halves is its mean)."""
+    each global batch (the ranks' average of equal halves is its mean), clipped to ``max_norm`` if given."""
     from fsdp_worker import EPS, LR, global_batches
 
     weights = [torch.load(out / f"weights{rank}.pt") for rank in range(world)]
@@ -154,6 +175,8 @@ def assert_weights_equal_a_single_process_run(out: Path, steps: int, world: int,
     for batch in global_batches(steps):
         optimizer.zero_grad()
         reference(**batch).loss.backward()
+        if max_norm is not None:
+            assert torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm) > max_norm, "the clip scales"
         optimizer.step()
     assert set(weights[0]) == set(reference.state_dict())
     for name, value in reference.state_dict().items():
@@ -209,13 +232,10 @@ def test_fsdp1_is_refused_up_front_with_what_to_use_instead() -> None:
         OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_fsdp2_with_clipping_is_refused_and_without_it_accepted() -> None:
-    model = make_mlp()
-    _sharded_looking(model)
+def test_fsdp2_is_accepted_with_clipping_too() -> None:
+    model = _sharded_looking(make_mlp())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(GuardConfigError, match="max_grad_norm"):
-        OOMGuard(mse_step(model), model=model, optimizer=optimizer, max_grad_norm=1.0)
-    OOMGuard(mse_step(model), model=model, optimizer=optimizer).close()
+    OOMGuard(mse_step(model), model=model, optimizer=optimizer, max_grad_norm=1.0).close()
 
 
 @pytest.mark.parametrize(

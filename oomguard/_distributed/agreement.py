@@ -96,6 +96,11 @@ class Agreement:
         """After a failed attempt, before the retry: nothing under DDP (see ``quiet_ddp``); FSDP2 resets its
         iteration state."""
 
+    def clip(self, params: list[torch.Tensor], max_norm: float) -> float | None:
+        """Clip the gradients of ``params`` to ``max_norm`` where the protocol must (FSDP2: sharded gradients,
+        whose norm is a collective); None under DDP, whose gradients are whole on every rank: the runner clips."""
+        return None
+
     def close(self) -> None:
         """The guard closed: put back what the protocol changed on the model (nothing under DDP)."""
 

@@ -44,6 +44,12 @@ gradient FSDP accumulated for micro-batches without sync is dropped: the retry s
 ``set_is_last_backward(True)``. The reduce-scatter averages over ranks; on gloo it runs as a sum divided afterwards
 (gloo's averaging under FSDP2 is silently wrong: pytorch#162338).
 
+**Clipping** sharded gradients needs their norm from every rank: a collective. :meth:`FSDPAgreement.clip` computes
+each rank's local squares (it may run out of memory there: the runner then does this rank's agreement B at once),
+passes a gate (agreement B's all-reduce: the failing rank's B meets it, everyone settles, and the B after the
+step is answered without a collective), then sums the squares over the ranks in a buffer allocated up front and
+scales every local gradient in place: nothing after the gate allocates.
+
 Cost: one small all-reduce, and a host sync to read it, per FSDP collective. The gated comms stay installed for
 the guard's life, so FSDP collectives outside a guarded call (an evaluation forward) pass gates too: every rank
 passes them alike, and an OOM there is only agreed where it hits one of FSDP's buffers (the rest of an
@@ -52,6 +58,7 @@ evaluation forward is not the guard's to recover).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,8 +68,9 @@ import torch.distributed as dist
 try:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.tensor import DTensor
 except ImportError:  # (an older torch: check_sharded refuses FSDP2 there)
-    FSDPModule = AllGather = ReduceScatter = object  # type: ignore[assignment,misc]
+    FSDPModule = AllGather = ReduceScatter = DTensor = object  # type: ignore[assignment,misc]
 
 from oomguard._distributed.agreement import Agreement, Verdict, distributed_active
 from oomguard._distributed.peers import Outcome, failure_outcome, peer_failure
@@ -89,8 +97,8 @@ def _roots(model: torch.nn.Module) -> list[FSDPModule]:
 _NEEDS = ("set_custom_all_gather", "set_custom_reduce_scatter", "reset_iter_state")
 
 
-def check_sharded(model: torch.nn.Module, max_grad_norm: float | None) -> None:
-    """Refuse what the guard cannot keep safe: FSDP1, and FSDP2 with clipping (its norm is a collective)."""
+def check_sharded(model: torch.nn.Module) -> None:
+    """Refuse what the guard cannot keep safe: FSDP1, and FSDP2 on a torch without what the guard needs."""
     for module in model.modules():
         if type(module).__name__ == "FullyShardedDataParallel":
             raise GuardConfigError(
@@ -103,12 +111,6 @@ def check_sharded(model: torch.nn.Module, max_grad_norm: float | None) -> None:
             f"the model is sharded with fully_shard (FSDP2), which oomguard guards with torch 2.13 or newer "
             f"(FSDPModule.{', '.join(_NEEDS)}); this is torch {torch.__version__}. Upgrade torch, or use "
             f"DistributedDataParallel"
-        )
-    if max_grad_norm is not None and is_fsdp(model):
-        raise GuardConfigError(
-            f"max_grad_norm={max_grad_norm} with an FSDP2 model: clipping sharded gradients all-reduces their norm "
-            f"inside clip_grad_norm_, a collective the guard cannot agree around yet (a rank that ran out of memory "
-            f"before it would leave the others waiting there). Leave max_grad_norm=None under FSDP2"
         )
 
 
@@ -135,6 +137,8 @@ class FSDPAgreement(Agreement):
         self.modules = fsdp_modules(model)
         #: What a gate settled in the attempt in flight (None: nothing failed yet); agreement A answers with it.
         self.settled: Verdict | None = None
+        self.settled_step: Outcome | None = None  # (what the clip's gate settled)
+        self._norm = torch.zeros(1, dtype=torch.float64, device=self._buffer.device)  # the clip's sum of squares
         #: Gates passed with this rank's own failure (an allocation of FSDP's that ran out of memory): a count
         #: tests and logs read.
         self.gate_failures = 0
@@ -177,9 +181,39 @@ class FSDPAgreement(Agreement):
     def plan(self, plan: Plan, batch_size: int, ladder: Ladder) -> Plan:
         """The plan every rank starts the call on; a gate an FSDP collective passed outside a guarded call (the
         user's evaluation forward) settled nothing this call should read."""
-        self.settled = None
+        self.settled = self.settled_step = None
         self._install()  # (every rank: the call is a point all ranks reach)
         return super().plan(plan, batch_size, ladder)
+
+    def after_step(self, outcome: Outcome) -> Outcome:
+        """Agreement B, unless the clip's gate settled it (then no collective: every rank settled there)."""
+        settled, self.settled_step = self.settled_step, None
+        return settled if settled is not None else super().after_step(outcome)
+
+    def clip(self, params: list[torch.Tensor], max_norm: float) -> float:
+        """Clip the sharded gradients as ``clip_grad_norm_`` clips the whole ones: each rank's local squares
+        (allocations, before the gate: a failure there is this rank's agreement B, which meets the others'
+        gate), a gate (agreement B's all-reduce), the sum of the squares over the ranks in a buffer allocated
+        up front, and every local gradient scaled in place. Gradients that are no DTensor are whole on every
+        rank: rank 0 counts them. Returns the total norm."""
+        grads = [p.grad for p in params if p.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        counted = [t for g, t in zip(grads, local, strict=True) if isinstance(g, DTensor) or self.rank == 0]
+        square = torch.stack(torch._foreach_norm(counted, 2.0)).double().pow(2).sum() if counted else None
+        outcome = Agreement.after_step(self, "ok")  # the gate: every rank is here, or has failed before it
+        if outcome != "ok":
+            self.settled_step = outcome
+            raise peer_failure(outcome, "clip")
+        with torch.no_grad():
+            self._norm.zero_()
+            if square is not None:
+                self._norm.copy_(square.reshape(1))
+            dist.all_reduce(self._norm, op=dist.ReduceOp.SUM)
+            total = math.sqrt(float(self._norm.item()))
+            coefficient = max_norm / (total + 1e-6)  # (as torch's clip_grad_norm_)
+            if coefficient < 1.0 and local:
+                torch._foreach_mul_(local, coefficient)
+        return total
 
     def after_backward(self, outcome: Outcome, phase: Phase, journal: bool) -> Verdict:
         """Agreement A, unless a gate settled this attempt already (then no collective: every rank settled)."""
@@ -213,7 +247,7 @@ class FSDPAgreement(Agreement):
 
     def reset(self) -> None:
         """After a failed attempt: FSDP's iteration state reset on every root, every unsharded gradient dropped."""
-        self.settled = None
+        self.settled = self.settled_step = None
         for root in self.roots:
             root.reset_iter_state()
         for module in self.modules:

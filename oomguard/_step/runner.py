@@ -335,7 +335,10 @@ class StepRunner:
         try:
             if scaler is not None:
                 scaler.unscale_(self.optimizer)
-            if self.accelerator is not None:  # unscales first where Accelerate scales the loss
+            clipped = None if self.agreement is None else self.agreement.clip(self._params, self.max_grad_norm)
+            if clipped is not None:  # (FSDP2: the norm of sharded gradients, agreed)
+                norm = clipped
+            elif self.accelerator is not None:  # unscales first where Accelerate scales the loss
                 norm = value_of(self.accelerator.clip_grad_norm_(self._params, self.max_grad_norm))
             else:
                 norm = value_of(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
