@@ -20,6 +20,7 @@ import torch
 
 from oomguard._backends.units import parse_bytes
 from oomguard._distributed.agreement import ddp_of, unwrap
+from oomguard._distributed.fsdp import check_sharded
 from oomguard._effects.base import EffectTarget
 from oomguard._effects.blocks import find_blocks
 from oomguard._effects.effects import Effects
@@ -85,6 +86,7 @@ class GuardOptions:
             raise GuardConfigError(
                 f"max_grad_norm must be positive (or None to disable clipping), got {self.max_grad_norm!r}"
             )
+        check_sharded(self.model)  # FSDP2 is guarded (FSDP1 refused): see _distributed.fsdp
         if self.reduction not in ("mean", "sum"):
             raise GuardConfigError(
                 f"reduction must be 'mean' or 'sum' (how the step's loss reduces), got {self.reduction!r}"
@@ -127,7 +129,6 @@ def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
         raise GuardConfigError(f"model= must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise GuardConfigError(f"optimizer= must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    _refuse_sharded(model)
     model_params = {id(p) for p in model.parameters()}
     if not model_params:
         raise GuardConfigError(
@@ -139,18 +140,6 @@ def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
             f"the optimizer holds {foreign} parameter(s) that are not the model's: build it over "
             f"model.parameters() (the guard drops and recomputes the model's gradients on every retry)"
         )
-
-
-def _refuse_sharded(model: torch.nn.Module) -> None:
-    """FSDP (1 and 2) gathers and frees parameters inside forward and backward with collectives the guard
-    cannot agree around yet; refuse it up front instead of risking a hang after an OOM."""
-    for module in model.modules():
-        kind = type(module).__name__
-        if kind == "FullyShardedDataParallel" or kind.startswith("FSDP"):
-            raise GuardConfigError(
-                f"the model contains {kind}: FSDP is not supported by oomguard yet (an OOM inside its sharded "
-                f"collectives could hang the other ranks). Use DistributedDataParallel, or run without the guard"
-            )
 
 
 def _check_optional_positive_int(name: str, value: int | None) -> None:

@@ -59,11 +59,13 @@ def allocates_nothing(func: torch._ops.OpOverload) -> bool:
 
 def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The tensors that hold ``tensor``'s memory: itself, or a wrapper subclass's inner tensors (those it names in
-    ``__tensor_flatten__``; the wrapper itself has no storage), recursively."""
+    ``__tensor_flatten__``; the wrapper itself has no storage), recursively. A name that is no tensor (a DTensor
+    names its device mesh) holds no memory."""
     if not is_traceable_wrapper_subclass(tensor):
         return [tensor]
     names, _ = tensor.__tensor_flatten__()
-    return [inner for name in names for inner in plain_tensors(getattr(tensor, name))]
+    inner = [getattr(tensor, name) for name in names]
+    return [plain for part in inner if isinstance(part, torch.Tensor) for plain in plain_tensors(part)]
 
 
 def cpu_storages(tree: Any) -> list[torch.UntypedStorage]:

@@ -112,6 +112,22 @@ class Agreement:
         """The longest of every rank's ``seconds`` (tuning's times: the slowest rank sets the job's pace)."""
         return self._all_max(round(seconds * 1e6))[0] / 1e6
 
+    def micro_batch(self, last: bool) -> None:
+        """Before each micro-batch's forward (``last``: the attempt's last one). Nothing under DDP, whose
+        gradients are reduced after agreement A; FSDP2 syncs in the last backward (see ``fsdp``)."""
+
+    def reset(self) -> None:
+        """After a failed attempt, before the retry: nothing under DDP (see ``quiet_ddp``); FSDP2 resets its
+        iteration state."""
+
+    def clip(self, params: list[torch.Tensor], max_norm: float) -> float | None:
+        """Clip the gradients of ``params`` to ``max_norm`` where the protocol must (FSDP2: sharded gradients,
+        whose norm is a collective); None under DDP, whose gradients are whole on every rank: the runner clips."""
+        return None
+
+    def close(self) -> None:
+        """The guard closed: put back what the protocol changed on the model (nothing under DDP)."""
+
     def any(self, flag: bool) -> bool:
         """True on every rank if it is True on any (a bound hit on one rank's clock stops them all)."""
         return bool(self._all_max(int(flag))[0])

@@ -265,7 +265,10 @@ class Foresight:
         """The plan a full step of ``choice``'s bucket runs on: a trial's while the bucket is being tuned."""
         bucket = choice.bucket
         tuning = self._tuning.get(bucket)
-        if tuning is None and self._due.get(bucket, -1) >= (self.options.tune_after or 0) and not choice.relaxing:
+        due = tuning is None and self._due.get(bucket, -1) >= (self.options.tune_after or 0) and not choice.relaxing
+        if self.agreement is not None and self.options.tune_after is not None:
+            due = not self.agreement.any(not due)  # every rank at once or none (the ranks' buckets may differ)
+        if due:
             found = self._trials(bucket, batch, choice.plan, size, backend)
             if found is not None:  # (None: the search goes on in the next call; this one runs the settled plan)
                 search, alternatives = found

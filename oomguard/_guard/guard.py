@@ -20,7 +20,8 @@ from typing import Any, NamedTuple, TypeVar
 from oomguard._backends.accounting import AccountedDevice
 from oomguard._backends.host import host_budget
 from oomguard._backends.memory import MemoryBackend, current_backend, snapshot
-from oomguard._distributed.agreement import Agreement, distributed_active, unwrap
+from oomguard._distributed.agreement import unwrap
+from oomguard._distributed.fsdp import agreement_for
 from oomguard._errors import GuardConfigError
 from oomguard._events import Event, JsonlSink, ProgressEvent, StateFileEvent
 from oomguard._guard.attempts import OneCallAtATime, ReplayFailed, Run, Tail, undoable
@@ -162,6 +163,8 @@ class OOMGuard:
         """Undo every effect of the current plan (checkpointing off, offloaded tensors back on the device); the
         guard stays usable: the next call re-applies its plan."""
         self.effects.close()
+        if self._runner.agreement is not None:
+            self._runner.agreement.close()  # (FSDP2: its own comms back)
 
     def summary(self) -> GuardSummary:
         """Which fallbacks were needed and how often."""
@@ -346,8 +349,9 @@ class OOMGuard:
         # Activation offload keeps the budget as it copies, beside what the rest of a plan keeps (see activation_host).
         ledger = self.effects.target.activation_host
         ledger.budget, ledger.others = self._host_budget, self._escalation.host_besides_activations
-        if distributed_active():
-            self._runner.agreement = self._foresight.agreement = Agreement(self._device, self.ladder)
+        agreement = agreement_for(unwrap(self.model), self._device, self.ladder)  # (None: a single process)
+        if agreement is not None:
+            self._runner.agreement = self._foresight.agreement = agreement
         rank = 0 if self._runner.agreement is None else self._runner.agreement.rank
         if self.options.log_file is not None:  # one log per rank: rank k > 0 writes NAME.rank<k>.jsonl beside it
             path = Path(self.options.log_file)

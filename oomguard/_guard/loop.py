@@ -37,6 +37,7 @@ from oomguard._guard.recovery import (
     give_up_message,
     released,
 )
+from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Plan
 from oomguard._step.outcome import AttemptFailure
 from oomguard._step.runner import StepRunner
@@ -189,6 +190,8 @@ class Loop:
             move = policy(call, failure, agreement is not None, bound is not None)
             if move is not None:
                 break
+        if agreement is not None:  # (every rank reaches this point, whichever policy answered it)
+            move = agreed_move(agreement, self.buckets.ladder, move, call, failure)
         if move is None:
             refused = None if failure.host else self.host_refused(call, failure, agreement is not None)
             self._give_up(call, "host" if failure.host else "ladder", failure.error, refused)
@@ -260,3 +263,18 @@ class Loop:
         self.emit(
             RecoveredEvent(call.step, plan.to_dict(), memory, rungs, len(call.tried), call.seconds_lost, description)
         )
+
+
+def agreed_move(agreement: Agreement, ladder: Ladder, move: Move | None, call: Call, failure: Failure) -> Move | None:
+    """The move every rank makes: per rung, the deepest level any rank's policy chose (a jump's plan is each rank's
+    own, planned on its own share and memory; the others' may differ where the ranks' batch buckets do). None: no
+    rank has a plan left."""
+    agreed = agreement.plan(failure.plan if move is None else move.plan, call.size, ladder)
+    if agreed == failure.plan:
+        return None
+    if move is not None and agreed == move.plan:
+        return move
+    engaged = ladder.changed(failure.plan, agreed, call.size)
+    seconds, steps = (0.0, 0) if move is None else (move.planning_seconds, move.fake_steps)
+    how = " (agreed by every rank: per rung, the deepest level any rank chose)"
+    return Move(agreed, engaged[-1], engaged, how, seconds, steps)

@@ -23,7 +23,6 @@ from typing import Any, ClassVar, Protocol
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._backends.units import format_bytes
-from oomguard._distributed.agreement import Agreement
 from oomguard._effects.activation_host import ActivationLedger
 from oomguard._events import Event
 from oomguard._guard.buckets import Buckets
@@ -108,22 +107,7 @@ class Jump:
             recorded = ", recorded for a batch of this shape" if jump.recorded else ""
             how = f" (the dry-run planner's prediction{recorded})"
             move = Move(jump.plan, jump.engaged[-1], jump.engaged, how, seconds, steps)
-        agreement = self.foresight.agreement
-        return move if agreement is None else self._agreed(agreement, move, call, failure)
-
-    def _agreed(self, agreement: Agreement, move: Move | None, call: Call, failure: Failure) -> Move | None:
-        """The move every rank makes: per rung, the deepest level any rank's jump (or walk) chose. Each rank
-        planned its own share of the batch, on its own memory (None: no rank has a plan left)."""
-        ladder = self.walk.ladder
-        agreed = agreement.plan(failure.plan if move is None else move.plan, call.size, ladder)
-        if agreed == failure.plan:
-            return None
-        if move is not None and agreed == move.plan:
-            return move
-        engaged = ladder.changed(failure.plan, agreed, call.size)
-        seconds, steps = (0.0, 0) if move is None else (move.planning_seconds, move.fake_steps)
-        how = " (agreed by every rank: per rung, the deepest level any rank's dry run chose)"
-        return Move(agreed, engaged[-1], engaged, how, seconds, steps)
+        return move
 
 
 @dataclass

@@ -27,6 +27,7 @@ from oomguard._backends.units import available_bytes, format_bytes, requested_by
 from oomguard._distributed.agreement import ddp_of, quiet_ddp
 from oomguard._effects.blocks import find_blocks
 from oomguard._effects.effects import Effects
+from oomguard._effects.sharding import is_fsdp
 from oomguard._ladder.plan import Plan
 from oomguard._options import GuardOptions
 from oomguard._planner.engine import Residue, ShallowModel, dry_run
@@ -72,6 +73,9 @@ def preplan(
     The dry run leaves nothing behind (:mod:`oomguard._planner.isolation`): what the step and the model keep is
     put back after it; where fake tensors escape all the same, the step is not planned again.
     """
+    if is_fsdp(options.model):  # (its dry run would run FSDP's all-gathers on fake tensors, outside any agreement)
+        logger.info("%s: not for a model sharded with fully_shard (FSDP2) yet", purpose)
+        return None
     if step_fn in _LEAKY:
         logger.info("%s: off for this step, whose dry run kept fake tensors (see the warning then)", purpose)
         return None

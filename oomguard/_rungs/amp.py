@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from oomguard._backends.memory import bf16_supported
 from oomguard._effects.base import EffectTarget
 from oomguard._effects.precision import AutocastEffect
+from oomguard._effects.sharding import SHARDED, sharded_fact
 from oomguard._ladder.plan import ACTIVATION_PHASES, Phase, Plan, Precision
 from oomguard._ladder.rungs import FieldRung, RungContext, Trade
 
@@ -41,6 +42,8 @@ class Amp(FieldRung):
         if plan.precision is not None or not context.amp_available:
             return None
         dtype: Precision = self.dtype or ("bf16" if context.bf16_supported else "fp16")
+        if dtype == "fp16" and context.fact(SHARDED, False):
+            return None  # (FSDP2: GradScaler's unscale would decide on each rank's shard alone)
         return plan.replace(precision=dtype)
 
     def relax(self, plan: Plan, batch_size: int) -> Plan | None:
@@ -60,4 +63,5 @@ class Amp(FieldRung):
         return {
             "bf16_supported": bf16_supported(target.device),
             "amp_available": accelerator is None or getattr(accelerator, "mixed_precision", "no") == "no",
+            **sharded_fact(target),
         }

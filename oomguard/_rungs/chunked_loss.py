@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from oomguard._backends.memory import MemoryBackend
 from oomguard._effects.base import Effect, EffectTarget
 from oomguard._effects.chunked_loss import ChunkedLoss as Chunking
+from oomguard._effects.sharding import SHARDED, sharded_fact
 from oomguard._ladder.plan import ACTIVATION_PHASES, Phase, Plan
 from oomguard._ladder.rungs import Rung, RungContext, Trade
 
@@ -80,13 +81,14 @@ class ChunkedLoss(Rung):
 
     def deeper(self, plan: Plan, context: RungContext) -> Plan | None:
         # (a context that does not know, one made by hand, says no: the rung engages only where it is exact)
-        return super().deeper(plan, context) if context.fact("chunked_loss_applies", False) else None
+        applies = context.fact("chunked_loss_applies", False) and not context.fact(SHARDED, False)
+        return super().deeper(plan, context) if applies else None  # (FSDP2: the lazy head reads a sharded weight)
 
     def describe(self, plan: Plan, batch_size: int | None) -> str | None:
         return "chunked loss" if plan.level(self.name) else None
 
     def facts(self, target: EffectTarget) -> Mapping[str, Any]:
-        return {"chunked_loss_applies": Chunking.applies(target.model) is None}
+        return {"chunked_loss_applies": Chunking.applies(target.model) is None, **sharded_fact(target)}
 
     def effect(self) -> type[Effect]:
         return ChunkedLossEffect

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from oomguard._effects.base import EffectTarget
 from oomguard._effects.footprint import host_facts
 from oomguard._effects.layers import LayerOffloadEffect
+from oomguard._effects.sharding import SHARDED, sharded_fact
 from oomguard._ladder.plan import EVERY_PHASE, Phase, Plan
 from oomguard._ladder.rungs import Rung, RungContext, Trade
 
@@ -43,7 +44,7 @@ class LayerOffload(Rung):
         return plan.replace(offload_layers=level)
 
     def deeper(self, plan: Plan, context: RungContext) -> Plan | None:
-        if plan.offload_layers >= context.num_blocks or not context.can_offload:
+        if plan.offload_layers >= context.num_blocks or not context.can_offload or context.fact(SHARDED, False):
             return None
         return plan.replace(offload_layers=min(context.num_blocks, max(1, 2 * plan.offload_layers)))
 
@@ -66,7 +67,7 @@ class LayerOffload(Rung):
         return LayerOffloadEffect
 
     def facts(self, target: EffectTarget) -> Mapping[str, Any]:
-        return host_facts(target)
+        return {**host_facts(target), **sharded_fact(target)}  # (FSDP2 gathers and frees the blocks' weights)
 
     def host_bytes(self, plan: Plan, context: RungContext) -> int:
         """The offloaded blocks' weights and gradients, and their optimizer state unless the optimizer-offload

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from oomguard._effects.base import EffectTarget
 from oomguard._effects.footprint import host_facts
 from oomguard._effects.optimizer import OptimizerOffloadEffect, can_step_on_host
+from oomguard._effects.sharding import SHARDED, sharded_fact
 from oomguard._ladder.plan import EVERY_PHASE, Phase, Plan, keeps_master_weights
 from oomguard._ladder.rungs import FieldRung, RungContext, Trade
 
@@ -47,8 +48,8 @@ class OptimizerOffload(FieldRung):
     ends: ClassVar[Mapping[str, int]] = {"quantized_optimizer": 0}  # (state on the host: in fp32)
 
     def deeper(self, plan: Plan, context: RungContext) -> Plan | None:
-        if not context.can_offload or not context.optimizer_offloadable:
-            return None
+        if not context.can_offload or not context.optimizer_offloadable or context.fact(SHARDED, False):
+            return None  # (FSDP2: its state is DTensors; the user's CPUOffloadPolicy is FSDP's own offload)
         if not plan.optimizer_offload:
             return plan.replace(optimizer_offload=True)
         if plan.optimizer_offload is True and keeps_master_weights(plan.precision, plan.offload_layers):
@@ -66,7 +67,11 @@ class OptimizerOffload(FieldRung):
         return OptimizerOffloadEffect
 
     def facts(self, target: EffectTarget) -> Mapping[str, Any]:
-        return {"optimizer_offloadable": can_step_on_host(target.optimizer), **host_facts(target)}
+        return {
+            "optimizer_offloadable": can_step_on_host(target.optimizer),
+            **host_facts(target),
+            **sharded_fact(target),
+        }
 
     def host_bytes(self, plan: Plan, context: RungContext) -> int:
         """The state of every trainable parameter (the offloaded blocks' too: the layer-offload rung counts their

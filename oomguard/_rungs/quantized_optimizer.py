@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from oomguard._effects.base import EffectTarget
 from oomguard._effects.quantized import QuantizedOptimizerEffect, can_quantize
+from oomguard._effects.sharding import SHARDED, sharded_fact
 from oomguard._ladder.plan import EVERY_PHASE, Phase, Plan
 from oomguard._ladder.rungs import FieldRung, RungContext
 
@@ -38,7 +39,7 @@ class QuantizedOptimizer(FieldRung):
     exact: ClassVar[bool] = False
 
     def deeper(self, plan: Plan, context: RungContext) -> Plan | None:
-        if plan.quantized_optimizer or not context.optimizer_quantizable:
+        if plan.quantized_optimizer or not context.optimizer_quantizable or context.fact(SHARDED, False):
             return None
         return plan.replace(quantized_optimizer=True)
 
@@ -46,4 +47,4 @@ class QuantizedOptimizer(FieldRung):
         return QuantizedOptimizerEffect
 
     def facts(self, target: EffectTarget) -> Mapping[str, Any]:
-        return {"optimizer_quantizable": can_quantize(target.optimizer)}
+        return {"optimizer_quantizable": can_quantize(target.optimizer), **sharded_fact(target)}  # (not DTensors)

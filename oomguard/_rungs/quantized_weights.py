@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from oomguard._effects.base import EffectTarget
+from oomguard._effects.sharding import SHARDED, sharded_fact
 from oomguard._effects.weights import QuantizedWeightsEffect, frozen_linears, lm_head
 from oomguard._ladder.plan import EVERY_PHASE, Phase, Plan
 from oomguard._ladder.rungs import FieldRung, RungContext
@@ -41,7 +42,7 @@ class QuantizedWeights(FieldRung):
         frozen = context.frozen_linears
         if plan.level("chunked_loss"):  # (the head is the chunked loss's then: are there others?)
             frozen = context.fact("frozen_linears_besides_head", frozen)
-        if plan.quantized_weights == "4bit" or not frozen:
+        if plan.quantized_weights == "4bit" or not frozen or context.fact(SHARDED, False):
             return None
         return plan.replace(quantized_weights="4bit" if plan.quantized_weights else True)
 
@@ -52,4 +53,5 @@ class QuantizedWeights(FieldRung):
         return {
             "frozen_linears": bool(frozen_linears(target.model)),
             "frozen_linears_besides_head": bool(frozen_linears(target.model, lm_head(target.model))),
+            **sharded_fact(target),  # (FSDP2's weights are DTensors it gathers itself)
         }

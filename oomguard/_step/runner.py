@@ -201,6 +201,8 @@ class StepRunner:
         """What a failed attempt made goes: the plan's per-attempt state, the gradients (those of leaves outside
         the optimizer back as they were)."""
         self.effects.reset()
+        if self.agreement is not None:
+            self.agreement.reset()  # (FSDP2: its iteration state, resharded, no unsharded gradient left)
         self.zero_grad()
         OutsideLeaves.put_back(self._outside_grads)
         self._outside_grads = []
@@ -288,10 +290,13 @@ class StepRunner:
         self.progress.phase = Phase.SPLIT
         parts, weights = self._parts(job)
         total: torch.Tensor | None = None
+        last = max((i for i, w in enumerate(weights) if w != 0.0), default=-1)  # (FSDP2 syncs in its backward)
         for index, (part, weight) in enumerate(zip(parts, weights, strict=True)):
             if weight == 0.0:  # no counted item: it contributes exactly nothing (and its mean is NaN)
                 continue
             self.progress.phase, self.progress.micro_batch = Phase.FORWARD, index
+            if self.agreement is not None:
+                self.agreement.micro_batch(last=index == last)
             with self.effects.forward(plan, backend):
                 loss = loss_of(self.step_fn(part))
             if total is None:  # the attempt's first backward is next
@@ -330,7 +335,10 @@ class StepRunner:
         try:
             if scaler is not None:
                 scaler.unscale_(self.optimizer)
-            if self.accelerator is not None:  # unscales first where Accelerate scales the loss
+            clipped = None if self.agreement is None else self.agreement.clip(self._params, self.max_grad_norm)
+            if clipped is not None:  # (FSDP2: the norm of sharded gradients, agreed)
+                norm = clipped
+            elif self.accelerator is not None:  # unscales first where Accelerate scales the loss
                 norm = value_of(self.accelerator.clip_grad_norm_(self._params, self.max_grad_norm))
             else:
                 norm = value_of(torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm))
