@@ -47,6 +47,13 @@ class EffectTarget:
         self.device = next(self.model.parameters()).device
         self.device_type = self.device.type
 
+    @property
+    def hooked_optimizer(self) -> torch.optim.Optimizer:
+        """Where hooks on the optimizer's ``state_dict`` and ``load_state_dict`` go: the torch optimizer itself,
+        inside Accelerate's ``AcceleratedOptimizer`` (which passes those calls on to it and has no hooks of its own)."""
+        inner = getattr(self.optimizer, "optimizer", None)
+        return inner if isinstance(inner, torch.optim.Optimizer) else self.optimizer
+
     def backend(self, applied: MemoryBackend | None) -> MemoryBackend:
         """The memory backend an undo copies through: a simulated device active now (a guard may be closed inside
         another simulation than the one its plan was applied in), else the backend the plan was ``applied``

@@ -127,7 +127,7 @@ class QuantizedOptimizerEffect(Effect):
             return True
         changed = not self._engaged
         if not self._engaged:
-            optimizer = self.target.optimizer
+            optimizer = self.target.hooked_optimizer  # (inside Accelerate's wrapper)
             self._hooks = [
                 optimizer.register_state_dict_post_hook(_dequantized_state_dict),
                 optimizer.register_load_state_dict_post_hook(functools.partial(self._loaded)),
