@@ -48,9 +48,10 @@ class EffectTarget:
         self.device_type = self.device.type
 
     @property
-    def hooked_optimizer(self) -> torch.optim.Optimizer:
-        """Where hooks on the optimizer's ``state_dict`` and ``load_state_dict`` go: the torch optimizer itself,
-        inside Accelerate's ``AcceleratedOptimizer`` (which passes those calls on to it and has no hooks of its own)."""
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer itself: inside Accelerate's ``AcceleratedOptimizer``, the one it wraps (the wrapper
+        passes ``step``, ``state_dict`` and ``load_state_dict`` on to it, and has no hook tables of its own). Where
+        hooks go, and whose ``step`` an effect replaces."""
         inner = getattr(self.optimizer, "optimizer", None)
         return inner if isinstance(inner, torch.optim.Optimizer) else self.optimizer
 
