@@ -83,7 +83,7 @@ def test_an_oom_at_allocations_of_a_trainer_step_on_rank_1_loses_nothing_on_eith
     from the guard's forward to the step's end (forward, backward, agreement A, the gradient all-reduce, the
     Trainer's clipping, its optimizer step and agreement B), for every ``every``-th n. Each run ends on both ranks
     with two steps, equal replicas, and weights within 1e-6 of the run without faults. (Sampled: about a minute;
-    every allocation, some 330 runs: about 20 minutes on two cores.)
+    every allocation, 334 runs: 14.4 minutes on two shared cores.)
 
     Not swept: the Trainer's own input preparation before its compute_loss (``_prepare_inputs``), which copies the
     batch to the device outside the guard: an OOM there ends train() on that rank, as it does on one process."""
