@@ -5,13 +5,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers.launch import ENV, RANKS, stop_tree
+from helpers.launch import RANKS, torchrun
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -47,43 +45,58 @@ def test_accelerate_example_trains_and_recovers(capsys: pytest.CaptureFixture[st
     assert "micro_batch x" in capsys.readouterr().out
 
 
-# torch 2.13's gloo can abort a rank as it exits, after the job is done: its run-loop thread frees a finished
-# collective's tensors and needs the GIL while the interpreter is already shutting down ("terminate called without
-# an active exception"; backtrace: ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> TensorImpl::decref_pyobject
-# -> take_gil -> PyThread_exit_thread). A plain DDP script without oomguard does it too, about once in 6 runs on a
-# loaded 2-core machine. Such a run is launched once more; any other failure fails the test. So is a run that hung
-# after the job had checked its replicas (only the barrier and destroy_process_group run after that line; CI saw
-# one): each hung process's stacks are in the output (SIGABRT under PYTHONFAULTHANDLER), for the next to read.
-_GLOO_EXIT_ABORT = "terminate called without an active exception"
+# Every torchrun job goes through helpers.launch.torchrun: a hard timeout, stacks of a hung rank, and one more launch
+# where torch 2.13's gloo teardown failed a job that had finished (see its comments).
 _DONE = "replicas identical: True"
-
-
-def _torchrun(command: list[str]) -> tuple[int | None, str]:
-    """(exit code, or None where it hung and was stopped; everything it printed)."""
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=ENV
-    )
-    try:
-        output = process.communicate(timeout=120)[0]
-        return process.returncode, output
-    except subprocess.TimeoutExpired:
-        stop_tree(process)  # the agent and its workers, with their stacks
-        try:
-            return None, process.communicate(timeout=30)[0]
-        except subprocess.TimeoutExpired:  # a worker outlived the kill and still holds the pipe
-            return None, ""
 
 
 @pytest.mark.subprocess
 @RANKS
 def test_ddp_example_under_torchrun_keeps_the_replicas_identical(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(EXAMPLES / "ddp_torchrun.py"), "--steps", "2"]  # fmt: skip
-    returncode, output = _torchrun(command)
-    if returncode != 0 and _DONE in output and (returncode is None or _GLOO_EXIT_ABORT in output):
-        print(f"torch's gloo teardown failed a finished job; run once more. Its output:\n{output[-6000:]}")
-        returncode, output = _torchrun(command)
+    returncode, output = torchrun(EXAMPLES / "ddp_torchrun.py", "--steps", "2", done=_DONE)
     assert returncode is not None, f"the torchrun example hung:\n{output[-6000:]}"
     assert returncode == 0, output[-3000:]
     assert "replicas identical: True" in output
     assert "OOM(s) caught" in output
+
+
+@pytest.mark.subprocess
+@RANKS
+@pytest.mark.parametrize("fault", ["backward", "optimizer"])
+def test_accelerate_example_under_torchrun_recovers_an_oom_on_rank_1(tmp_path: Path, fault: str) -> None:
+    """Accelerate's DDP (gloo): rank 1 alone runs out of memory in the first step's backward (where DDP would
+    all-reduce) or optimizer step; both recover, and the replicas equal one process on the whole batch."""
+    import torch
+
+    saved = tmp_path / "weights.pt"
+    returncode, output = torchrun(
+        EXAMPLES / "accelerate_loop.py", "--steps", "3", "--fault", fault, "--save", str(saved), done=_DONE
+    )
+    assert returncode is not None, f"the torchrun example hung:\n{output[-6000:]}"
+    assert returncode == 0, output[-3000:]
+    assert output.count("--fault: this rank runs out of memory") == 1, output[-3000:]
+    assert "[rank 1] step 0" in output and "[rank 0] step 0" in output
+    assert _DONE in output
+    for rank in (0, 1):
+        assert f"[rank {rank}] step 2:" in output, "every rank took every step"
+    single = tmp_path / "single.pt"
+    _load("accelerate_loop").main(steps=3, save=str(single))  # one process, the whole batch of 128
+    reference, trained = torch.load(single), torch.load(saved)
+    for name, value in reference.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.subprocess
+@RANKS
+def test_hf_trainer_example_under_torchrun_recovers_an_oom_on_rank_1(tmp_path: Path) -> None:
+    """The Trainer's DDP through Accelerate (gloo): rank 1 alone runs out of memory in the first step's backward;
+    both ranks recover, end on the same global_step, and their replicas are identical. (tests/test_trainer_ddp.py
+    puts faults in every part of a step and compares with one process on the whole batch.)"""
+    returncode, output = torchrun(
+        EXAMPLES / "hf_trainer.py", "--steps", "2", "--fault", "backward", done=_DONE, timeout=240
+    )
+    assert returncode is not None, f"the torchrun example hung:\n{output[-6000:]}"
+    assert returncode == 0, output[-3000:]
+    assert output.count("--fault: this rank runs out of memory in the backward") == 1, output[-3000:]
+    assert "[rank 0] global_step 2;" in output and "[rank 1] global_step 2;" in output
+    assert _DONE in output

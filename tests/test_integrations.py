@@ -14,6 +14,7 @@ from helpers.models import make_llama, make_mlp
 from helpers.steps import mse_step
 
 from oomguard import GuardConfigError, Plan, oom_guard
+from oomguard._effects.quantized import Quantized
 from oomguard.testing import SimulatedGPU
 
 transformers = pytest.importorskip("transformers")
@@ -116,6 +117,39 @@ def test_the_jump_plans_a_job_accelerate_prepared(caplog: pytest.LogCaptureFixtu
         result = step(tuple_batch(n=128))
     assert result.ooms == 1 and "dry run of this step failed" not in caplog.text
     assert any(e.kind == "fallback" and "dry-run planner" in e.description for e in step.guard.events)
+
+
+@pytest.mark.parametrize("rung", ["optimizer_offload", "quantized_optimizer"])
+def test_the_optimizer_rungs_take_accelerates_optimizer_wrapper(rung: str) -> None:
+    """Before: both rungs hooked load_state_dict (and state_dict) on Accelerate's ``AcceleratedOptimizer``, which
+    never ran ``Optimizer.__init__`` and has no hook tables: an AttributeError where an OOM in the step engaged
+    them. Now they hook the torch optimizer inside, which the wrapper's state_dict and load_state_dict call."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = make_mlp(width=256)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, accelerator=accelerator, ladder=[rung])
+    fired: list[bool] = []
+
+    def fault(*_: Any) -> None:
+        if not fired:
+            fired.append(True)
+            gpu.fail_allocation(1)
+
+    optimizer.optimizer.register_step_pre_hook(fault)
+    with SimulatedGPU("64MiB") as gpu:
+        gpu.adopt(model)
+        result = step(tuple_batch(n=32))
+        state = optimizer.state_dict()  # (through the rung's hooks on the inner optimizer)
+        optimizer.load_state_dict(state)
+        again = step(tuple_batch(n=32, seed=1))
+    assert fired and result.ooms == 1 and again.ooms == 0
+    assert result.rungs == (rung,) and again.rungs == (rung,)
+    assert all(int(s["step"]) == 2 for s in optimizer.state.values())
+    if rung == "quantized_optimizer":  # (the moments of the two weight matrices, in 8 bits)
+        assert any(isinstance(v, Quantized) for s in optimizer.state.values() for v in s.values())
+    step.guard.close()
 
 
 def test_the_trainer_integration_needs_no_change_to_the_model(tmp_path: Path) -> None:

@@ -192,6 +192,33 @@ def test_an_oom_in_a_replay_is_an_attempt_of_the_same_step_in_one_recovery_loop(
     assert_same_training(model, trainer, reference, plain)
 
 
+class FaultInTheOptimizerAndItsReplaysClipping(FaultInTheOptimizer):
+    """Then the clipping of the replay's recomputed gradients fails, once."""
+
+    clipped_in_replay = 0
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> Any:
+        if self._oomguard_step.replaying:
+            type(self).clipped_in_replay += 1
+            if type(self).clipped_in_replay == 1:
+                self.gpu.fail_allocation(1)
+        return super()._clip_grad_norm(model)
+
+
+def test_an_oom_in_a_replays_clipping_is_an_attempt_of_the_same_step(tmp_path: Path) -> None:
+    """Before: the replay clipped outside the guard, so its OOM left the recovery loop and ended train()."""
+    reference, plain = train_plain(tmp_path / "plain")
+    trainer_class = FaultInTheOptimizerAndItsReplaysClipping
+    trainer_class.armed, trainer_class.clipped_in_replay = False, 0
+    model, trainer = train_guarded(tmp_path / "guarded", trainer_class, oomguard={"step_journal": "always"})
+    assert trainer_class.clipped_in_replay == 2, "the failed replay, then the one that held"
+    ooms = oom_events(trainer)
+    assert [(e.step, e.attempt, e.error.phase) for e in ooms] == [(2, 1, "optimizer"), (2, 2, "clip")]
+    summary = trainer.oomguard.summary()
+    assert (summary.steps, summary.ooms, summary.recovered_steps) == (4, 2, 1), summary.describe()
+    assert_same_training(model, trainer, reference, plain)
+
+
 def test_a_subclass_listed_before_the_guard_is_refused_with_the_fix() -> None:
     class Other(transformers.Trainer):  # type: ignore[misc]
         pass

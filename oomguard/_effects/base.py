@@ -47,6 +47,14 @@ class EffectTarget:
         self.device = next(self.model.parameters()).device
         self.device_type = self.device.type
 
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer itself: inside Accelerate's ``AcceleratedOptimizer``, the one it wraps (the wrapper
+        passes ``step``, ``state_dict`` and ``load_state_dict`` on to it, and has no hook tables of its own). Where
+        hooks go, and whose ``step`` an effect replaces."""
+        inner = getattr(self.optimizer, "optimizer", None)
+        return inner if isinstance(inner, torch.optim.Optimizer) else self.optimizer
+
     def backend(self, applied: MemoryBackend | None) -> MemoryBackend:
         """The memory backend an undo copies through: a simulated device active now (a guard may be closed inside
         another simulation than the one its plan was applied in), else the backend the plan was ``applied``

@@ -185,7 +185,7 @@ class OptimizerOffloadEffect(Effect):
     def _hook_optimizer(self) -> None:
         if self._hooks:
             return
-        optimizer = self.target.optimizer
+        optimizer = self.target.torch_optimizer  # (inside Accelerate's wrapper)
         self._hooks = [
             optimizer.register_load_state_dict_pre_hook(functools.partial(self._load_state)),
             optimizer.register_load_state_dict_post_hook(functools.partial(self._loaded_state), prepend=True),

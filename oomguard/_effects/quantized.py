@@ -50,8 +50,13 @@ MIN_VALUES = 1024
 
 
 def can_quantize(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the rung can keep ``optimizer``'s state in 8 bits: torch's Adam and AdamW, not differentiable."""
-    adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+    """Whether the rung can keep ``optimizer``'s state in 8 bits: torch's Adam and AdamW, not differentiable (also
+    inside Accelerate's ``AcceleratedOptimizer``, which steps and keeps the state of the torch optimizer it wraps)."""
+    inner = getattr(optimizer, "optimizer", None)
+    adam = type(inner if isinstance(inner, torch.optim.Optimizer) else optimizer) in (
+        torch.optim.Adam,
+        torch.optim.AdamW,
+    )
     return adam and not any(group.get("differentiable", False) for group in optimizer.param_groups)
 
 
@@ -127,7 +132,7 @@ class QuantizedOptimizerEffect(Effect):
             return True
         changed = not self._engaged
         if not self._engaged:
-            optimizer = self.target.optimizer
+            optimizer = self.target.torch_optimizer  # (inside Accelerate's wrapper)
             self._hooks = [
                 optimizer.register_state_dict_post_hook(_dequantized_state_dict),
                 optimizer.register_load_state_dict_post_hook(functools.partial(self._loaded)),
@@ -154,7 +159,7 @@ class QuantizedOptimizerEffect(Effect):
     @contextlib.contextmanager
     def _chunked(self) -> Iterator[None]:
         """The optimizer's ``step`` replaced, for this step, by one that steps its parameters chunk by chunk."""
-        optimizer = self.target.optimizer
+        optimizer = self.target.torch_optimizer  # (inside Accelerate's wrapper, whose step calls it)
         previous = vars(optimizer).get("step")
         raw = type(optimizer).step.__wrapped__  # type: ignore[attr-defined]  # (no hooks: the wrapper runs them once)
         stepper = torch.optim.Optimizer.profile_hook_step(functools.partial(_step_in_chunks, raw=raw))

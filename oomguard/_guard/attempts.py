@@ -9,13 +9,14 @@ from typing import Generic, TypeVar
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._distributed.agreement import Agreement
+from oomguard._distributed.peers import peer_failure
 from oomguard._errors import GuardConfigError
 from oomguard._guard.call import Call
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._step.outcome import AttemptFailure, AttemptOutput
-from oomguard._step.runner import Gradients, Reduction, StepRunner
+from oomguard._step.runner import Gradients, Reduction, StepRunner, outcome_of
 
-__all__ = ["OneCallAtATime", "ReplayFailed", "Run", "Tail", "undoable"]
+__all__ = ["OneCallAtATime", "ReplayFailed", "Run", "Tail", "agreed", "in_replay", "undoable"]
 
 T = TypeVar("T")
 
@@ -74,12 +75,22 @@ class Tail(Generic[T]):
     first recomputes the same batch's gradients on that plan through ``replay`` (the caller's code, which calls
     the guard's ``accumulate`` again: during a replay that is one attempt of this loop, and its failure comes back
     here as :class:`ReplayFailed`); then the part runs again.
+
+    Under distributed training ``agreement`` is the guard's: ``run`` agrees how the part went on every rank (see
+    :func:`agreed` and :meth:`StepRunner.optimizer_step`), so all ranks fail together, in the same phase, and the
+    loop escalates alike on every rank; the replay's ``accumulate`` runs agreement A and the gradient all-reduce on
+    every rank, as any attempt does.
     """
 
-    agreement: Agreement | None = None  # (the part is the caller's: no agreement of the guard's runs in it)
-
-    def __init__(self, ran_on: Plan, run: Callable[[Plan], T], replay: Callable[[Plan], None], phase: Phase) -> None:
-        self.run, self.replay, self.phase = run, replay, phase
+    def __init__(
+        self,
+        ran_on: Plan,
+        run: Callable[[Plan], T],
+        replay: Callable[[Plan], None],
+        phase: Phase,
+        agreement: Agreement | None = None,
+    ) -> None:
+        self.run, self.replay, self.phase, self.agreement = run, replay, phase, agreement
         self.ran_on = ran_on  # the plan the gradients were computed on
 
     def gradients(self, plan: Plan) -> Plan | AttemptFailure:
@@ -95,7 +106,40 @@ class Tail(Generic[T]):
         try:
             return self.run(plan)
         except Exception as exc:  # (the record is not kept in this frame: see StepRunner._failed)
-            return AttemptFailure(exc, plan, self.phase, 0, None)
+            agreed_phase = self.phase if self.agreement is not None else None  # (every rank failed in it)
+            return AttemptFailure(exc, plan, self.phase, 0, None, agreed_phase)
+
+
+def agreed(run: Callable[[], T], agreement: Agreement | None, backend: MemoryBackend, phase: Phase) -> Callable[[], T]:
+    """``run`` (a part of a step someone else drives, such as the Trainer's clipping), then one agreement of how it
+    went on every rank (where there is one): a rank whose peer failed raises too (:class:`PeerOutOfMemory`), so
+    every rank retries the part together, and none waits in a collective that another left for a replay."""
+    if agreement is None:
+        return run
+
+    def part() -> T:
+        try:
+            result = run()
+        except Exception as exc:
+            agreement.after_step(outcome_of(exc, backend))  # the others are about to agree after their part
+            raise
+        outcome = agreement.after_step("ok")
+        if outcome != "ok":
+            raise peer_failure(outcome, phase)
+        return result
+
+    return part
+
+
+def in_replay(part: Callable[[Plan], T], plan: Plan, phase: Phase, agreement: Agreement | None) -> T:
+    """``part`` run inside a replay on ``plan`` (the Trainer's clipping of the recomputed gradients before the
+    optimizer step is run again): one piece of the replay's attempt, whose failure ends that attempt
+    (:class:`ReplayFailed`, back to the recovery loop through the caller's replay), never a recovery of its own."""
+    try:
+        return part(plan)
+    except Exception as exc:
+        agreed_phase = phase if agreement is not None else None  # (every rank failed in it: see agreed)
+        raise ReplayFailed(AttemptFailure(exc, plan, phase, 0, None, agreed_phase)) from None
 
 
 def undoable(runner: StepRunner, backend: MemoryBackend, run: Callable[[], T]) -> Callable[[Plan], T]:

@@ -24,7 +24,7 @@ from oomguard._distributed.agreement import unwrap
 from oomguard._distributed.fsdp import agreement_for
 from oomguard._errors import GuardConfigError
 from oomguard._events import Event, JsonlSink, ProgressEvent, StateFileEvent
-from oomguard._guard.attempts import OneCallAtATime, ReplayFailed, Run, Tail, undoable
+from oomguard._guard.attempts import OneCallAtATime, ReplayFailed, Run, Tail, agreed, in_replay, undoable
 from oomguard._guard.buckets import Buckets, Choice, weakly
 from oomguard._guard.call import Call
 from oomguard._guard.emitter import Emitter
@@ -195,16 +195,19 @@ class OOMGuard:
         guard's transaction). On an OOM the guard frees what it held and moves one rung down for ``phase``;
         ``replay`` recomputes the batch's gradients on the new plan (through :meth:`accumulate`: a retry of the same
         step, not a new one), and ``run`` runs again: still exactly one step, counted once, recovered."""
-        last, backend = self._last, current_backend(self._device)
-        # (an optimizer step is made undoable; any other part just runs, on whatever plan)
-        part = undoable(self._runner, backend, run) if phase == Phase.OPTIMIZER else lambda plan: run()
+        last, backend, agreement = self._last, current_backend(self._device), self._runner.agreement
+        # (an optimizer step is made undoable and agreed; any other part runs on whatever plan, agreed)
+        shared = agreed(run, agreement, backend, phase)
+        part = undoable(self._runner, backend, run) if phase == Phase.OPTIMIZER else lambda plan: shared()
         with self._busy:
+            if self._replay is not None:  # (the clipping of a replay's gradients: a piece of the replay's attempt)
+                return in_replay(part, self._replay.plan, phase, agreement)
             if last is None:  # no guarded call yet: no batch to replay on another plan
                 with self._loop.committing():
                     return part(self._last_plan)
             choice = Choice(last.bucket, self._last_plan)
             call = self._loop.call(None, last.size, backend, choice, last.items_per_sample, last.step)
-            tail = Tail(self._last_plan, part, functools.partial(self._replayed, call, replay), phase)
+            tail = Tail(self._last_plan, part, functools.partial(self._replayed, call, replay), phase, agreement)
             return self._loop.run(call, tail, self._tail_done)
 
     def _replayed(self, call: Call, replay: Callable[[], None], plan: Plan) -> None:

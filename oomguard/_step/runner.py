@@ -37,7 +37,7 @@ logger = logging.getLogger("oomguard")
 #: every module on every split step).
 _CHECKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
-__all__ = ["AttemptFailure", "AttemptOutput", "Gradients", "StepRunner", "loss_of"]
+__all__ = ["AttemptFailure", "AttemptOutput", "Gradients", "StepRunner", "loss_of", "outcome_of"]
 
 Reduction = Literal["mean", "sum"]
 
@@ -238,14 +238,15 @@ class StepRunner:
         ``scaler``, agreed with the other ranks. ``run`` replaces the step itself (the Trainer's own, through
         Accelerate's wrapper). The guard holds shutdown signals around it until the step is counted."""
         with self.effects.optimizer_step(plan, backend):
-            if run is not None:
-                self.transaction.step(backend, run=run)
-                return
+            # Agreement B, on a step every rank journals where any rank needs to (agreed after its backward).
             agree = self.agreement.after_step if self.agreement is not None else None
             verdict = self.progress.verdict
             allow_fast = verdict is None or not verdict.journal
-            self.transaction.step(backend, self.scheduler, scaler, agree=agree, allow_fast=allow_fast)
-            self.effects.commit_scaler(scaler)
+            if run is not None:  # (the caller's scheduler steps after it, outside the transaction)
+                self.transaction.step(backend, agree=agree, allow_fast=allow_fast, run=run)
+            else:
+                self.transaction.step(backend, self.scheduler, scaler, agree=agree, allow_fast=allow_fast)
+                self.effects.commit_scaler(scaler)
             if self.agreement is not None and self.ddp is not None:
                 self.agreement.broadcast_buffers(self.ddp)
 
@@ -263,7 +264,7 @@ class StepRunner:
                 raise
             failure = exc  # re-raised below, once the other ranks know
         if self.agreement is not None:
-            outcome: Outcome = "ok" if failure is None else _outcome(failure, job.backend)
+            outcome: Outcome = "ok" if failure is None else outcome_of(failure, job.backend)
             journal = failure is not None or not self.transaction.can_skip_journal(job.backend)
             verdict = self.progress.verdict = self.agreement.after_backward(outcome, self.progress.phase, journal)
             if verdict.outcome != "ok":
@@ -347,11 +348,11 @@ class StepRunner:
             return norm
         except Exception as exc:
             if self.agreement is not None:  # the other ranks are about to agree after their step
-                self.agreement.after_step(_outcome(exc, backend))
+                self.agreement.after_step(outcome_of(exc, backend))
             raise
 
 
-def _outcome(exc: BaseException, backend: MemoryBackend) -> Outcome:
+def outcome_of(exc: BaseException, backend: MemoryBackend) -> Outcome:
     """What this rank tells the others of its failure: an OOM every rank retries (``"oom"``), host memory that ran
     out (``"host"``: the ranks stop together), or anything else, ours included (``"fatal"``)."""
     if isinstance(exc, OOMGuardError):

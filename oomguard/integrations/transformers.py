@@ -279,8 +279,9 @@ class OOMGuardTrainer(Trainer):  # type: ignore[misc]
         return self._protected(lambda: norm(model), Phase.CLIP)
 
     def _protected(self, run: Callable[[], R], phase: Phase) -> R:
-        """``run``, a part of the step after the backward, recovered by the guard as part of that step."""
-        if self._guard is None or self._oomguard_step.replaying:
+        """``run``, a part of the step after the backward, recovered by the guard as part of that step (in a replay,
+        a piece of the replay's attempt); agreed with the other ranks under torch.distributed."""
+        if self._guard is None:
             return run()
         return self._guard.protected_step(run, lambda: self._replay(clip=phase == Phase.OPTIMIZER), phase=phase)
 
