@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from oomguard.integrations.transformers import OOMGuardTrainer
@@ -44,7 +45,12 @@ def inject_fault(model: torch.nn.Module, optimizer: torch.optim.Optimizer, phase
     """Make this rank run out of memory once, in ``phase`` of the first step: the error a real device raises."""
     fired = [False]
 
-    def oom(*_: Any) -> None:
+    def oom(*args: Any) -> None:
+        tensors = [
+            t for arg in args for t in (arg if isinstance(arg, tuple) else (arg,)) if isinstance(t, torch.Tensor)
+        ]
+        if any(is_fake(t) for t in tensors):  # (the guard's dry-run planner runs the step on fake tensors: no device)
+            return
         if not fired[0]:
             fired[0] = True
             print(f"--fault: this rank runs out of memory in the {phase}", flush=True)

@@ -62,7 +62,7 @@ def test_ddp_example_under_torchrun_keeps_the_replicas_identical(tmp_path: Path)
 
 @pytest.mark.subprocess
 @RANKS
-@pytest.mark.parametrize("fault", ["backward", "optimizer"])
+@pytest.mark.parametrize("fault", ["backward", pytest.param("optimizer", marks=pytest.mark.slow)])
 def test_accelerate_example_under_torchrun_recovers_an_oom_on_rank_1(tmp_path: Path, fault: str) -> None:
     """Accelerate's DDP (gloo): rank 1 alone runs out of memory in the first step's backward (where DDP would
     all-reduce) or optimizer step; both recover, and the replicas equal one process on the whole batch."""

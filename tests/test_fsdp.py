@@ -88,6 +88,7 @@ def test_checkpointing_and_activation_offload_of_sharded_blocks_stay_exact(tmp_p
     assert_weights_equal_a_single_process_run(tmp_path, steps=3, world=WORLD)
 
 
+@pytest.mark.slow  # (the default run keeps the main job, checkpointing and clipping: make test stays short)
 @pytest.mark.integration
 @pytest.mark.subprocess
 @RANKS
@@ -110,6 +111,7 @@ def test_both_ranks_failing_in_different_places_agree_and_stay_exact(tmp_path: P
     assert_weights_equal_a_single_process_run(tmp_path, steps=3, world=WORLD)
 
 
+@pytest.mark.slow  # (the default run keeps the main job, checkpointing and clipping: make test stays short)
 @pytest.mark.integration
 @pytest.mark.subprocess
 @RANKS
@@ -200,6 +202,7 @@ def check_fsdp_sweep(out: Path, mode: str, timeout: float) -> dict[str, Any]:
     return rank1
 
 
+@pytest.mark.slow  # (the default run keeps the main job, checkpointing and clipping: make test stays short)
 @pytest.mark.integration
 @pytest.mark.subprocess
 @RANKS

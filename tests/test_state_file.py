@@ -631,11 +631,6 @@ OUT_OF_REACH: dict[str, tuple[Plan, dict[str, Any], str]] = {
         {"optimizer_offloadable": False},
         "optimizer_offload",
     ),
-    "master weights under torch.distributed": (
-        Plan(precision="bf16", optimizer_offload="master"),
-        {"distributed": True},
-        "optimizer_offload",
-    ),
     "master weights, no bf16 on this device": (
         Plan(precision="bf16", optimizer_offload="master"),
         {"bf16_supported": False},
