@@ -49,7 +49,7 @@ def main(steps: int = 5, fault: str | None = None, save: str | None = None) -> f
         loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
         if faulty and fault == "backward" and not fired[0]:
             fired[0] = True
-            loss.register_hook(injected_oom)  # raised inside this rank's backward
+            loss.register_hook(injected_oom)  # type: ignore[no-untyped-call]  # (raised inside this rank's backward)
         return loss
 
     def arm(phase: str) -> Any:

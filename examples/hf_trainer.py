@@ -59,7 +59,8 @@ def inject_fault(model: torch.nn.Module, optimizer: torch.optim.Optimizer, phase
     if phase == "forward":
         model.register_forward_pre_hook(oom)
     elif phase == "backward":
-        model.model.norm.register_full_backward_pre_hook(oom)  # (the first module backward reaches)
+        norm: torch.nn.Module = model.get_submodule("model.norm")  # (the first module backward reaches)
+        norm.register_full_backward_pre_hook(oom)
     else:
         optimizer.register_step_pre_hook(oom)  # (Adam's first step is journaled: the guard undoes it)
 
