@@ -238,7 +238,12 @@ def test_fsdp1_is_refused_up_front_with_what_to_use_instead() -> None:
 def test_fsdp2_is_accepted_with_clipping_too() -> None:
     model = _sharded_looking(make_mlp())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    OOMGuard(mse_step(model), model=model, optimizer=optimizer, max_grad_norm=1.0).close()
+    guard = OOMGuard(mse_step(model), model=model, optimizer=optimizer, max_grad_norm=1.0)
+    try:
+        assert guard.options.max_grad_norm == 1.0
+        assert guard._context.fact(SHARDED, False), "the guard must know the model is sharded, to skip rungs"
+    finally:
+        guard.close()
 
 
 @pytest.mark.parametrize(
