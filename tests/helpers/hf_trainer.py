@@ -50,10 +50,10 @@ def training_args(folder: Path, **overrides: Any) -> Any:
     return transformers.TrainingArguments(**settings)
 
 
-def train_plain(folder: Path) -> tuple[torch.nn.Module, Any]:
+def train_plain(folder: Path, **overrides: Any) -> tuple[torch.nn.Module, Any]:
     import transformers
 
     model = make_llama(layers=2, hidden=64)
-    trainer = transformers.Trainer(model=model, args=training_args(folder), train_dataset=RaggedText())
+    trainer = transformers.Trainer(model=model, args=training_args(folder, **overrides), train_dataset=RaggedText())
     trainer.train()
     return model, trainer
