@@ -14,6 +14,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one intra-op thread per test worker
     torch.set_num_threads(1)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under ``--dist loadgroup`` (make test), pytest-xdist sends the tests of one ``xdist_group`` to one worker by
+    appending ``@group`` to their node ids. Where that has no effect (pytest 9.2 with pytest-xdist 3.8 ignored it,
+    silently), the jobs of several ranks run two at a time on two cores and a module's job runs once per worker:
+    every test of a group then fails, saying so."""
+    grouped = getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group")
+    if grouped and "@" not in item.nodeid:
+        pytest.fail(
+            f"pytest-xdist's xdist_group did nothing ({item.nodeid} has no @group suffix): this pytest and "
+            "pytest-xdist do not work together; install the versions setup.cfg's [test] extra names",
+            pytrace=False,
+        )
+
+
 @pytest.fixture(autouse=True)
 def unhurried_tuning(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tuning's search runs to its end in the call it starts in: how many calls it takes depends on how fast this

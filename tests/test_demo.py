@@ -9,17 +9,22 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.once import once
 
 from oomguard._cli.demo import run
 from oomguard._cli.main import _parser, main
 
-pytestmark = pytest.mark.integration  # the demo end to end, and the CLI
+# (one worker runs them all, so the demo's run below is made once: see helpers/once.py)
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("demo")]  # the demo end to end, and the CLI
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
     """One short demo: 3 steps with a long batch every 2nd, then a restart of 2 steps from the state file."""
-    folder = tmp_path_factory.mktemp("demo")
+    return once("demo", lambda: _demo_run(tmp_path_factory.mktemp("demo")))
+
+
+def _demo_run(folder: Path) -> tuple[Path, str, str]:
     log, state = folder / "demo.jsonl", folder / "plans.json"
     argv = ["demo", "--steps", "3", "--long-every", "2", "--restart-steps", "2", "--log-file", str(log)]
     argv += ["--plot", str(folder / "demo-memory.png")]

@@ -17,6 +17,7 @@ import torch
 from helpers.batches import tuple_batch
 from helpers.launch import RANKS, WORLD, launch
 from helpers.models import make_mlp
+from helpers.once import once
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 
@@ -29,7 +30,10 @@ def reports(out: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def agreed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
+    return once("ddp run", lambda: _agreed_run(tmp_path_factory.mktemp("dist")))
+
+
+def _agreed_run(out: Path) -> Path:
     codes, hung = launch(WORKER, out, "run", timeout=180)
     logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(WORLD))
     assert not hung, f"a rank hung and was killed:\n{logs}"

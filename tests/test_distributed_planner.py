@@ -12,6 +12,7 @@ import torch
 from dist_planner_worker import GLOBAL_BATCH, JOBS, global_batch, share
 from helpers.launch import RANKS, WORLD, launch
 from helpers.models import make_llama
+from helpers.once import once
 
 from oomguard import OOMGuard, Plan
 from oomguard.testing import SimulatedGPU
@@ -34,8 +35,12 @@ def run(out: Path, mode: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module", params=["quick", pytest.param("default", marks=pytest.mark.slow)])
 def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A job's output folder (its name is its mode); the state file beside it."""
-    out = tmp_path_factory.mktemp("planner") / request.param
-    run(out, request.param)
+    mode: str = request.param
+    return once(f"planner {mode}", lambda: _ran(tmp_path_factory.mktemp("planner") / mode, mode))
+
+
+def _ran(out: Path, mode: str) -> Path:
+    run(out, mode)
     return out
 
 

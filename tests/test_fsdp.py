@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers.launch import ENV, RANKS, WORLD, launch, rendezvous
 from helpers.models import make_llama, make_mlp
+from helpers.once import once
 from helpers.steps import mse_step
 from torch.distributed.fsdp import FSDPModule
 
@@ -33,7 +34,10 @@ def reports(out: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("fsdp")
+    return once("fsdp run", lambda: _sharded_run(tmp_path_factory.mktemp("fsdp")))
+
+
+def _sharded_run(out: Path) -> Path:
     codes, hung = launch(WORKER, out, "run", timeout=420)
     logs = "\n".join((out / f"rank{r}.log").read_text()[-4000:] for r in range(WORLD))
     assert not hung, f"a rank hung and was killed:\n{logs}"

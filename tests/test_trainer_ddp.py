@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.launch import RANKS, WORLD, torchrun
+from helpers.once import once
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -34,7 +35,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.subprocess, RANKS]  # two glo
 
 @pytest.fixture(scope="module")
 def faulty_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    out = tmp_path_factory.mktemp("trainer_ddp")
+    return once("trainer under ddp", lambda: _faulty_run(tmp_path_factory.mktemp("trainer_ddp")))
+
+
+def _faulty_run(out: Path) -> tuple[Path, list[dict[str, Any]]]:
     returncode, output = torchrun(WORKER, str(out), *FAULTS, done="done: global_step", timeout=240)
     assert returncode is not None, f"the ranks hung:\n{output[-6000:]}"
     assert returncode == 0, output[-4000:]
