@@ -3,6 +3,7 @@ steps and keeps the fastest it measured, without losing, doubling or changing th
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,34 @@ def test_the_search_measures_the_largest_fitting_micro_batch_and_skips_dominated
     assert found == {plans[0, 0]: 2, plans[1, 0]: 8, plans[0, 1]: 4}
     assert (1, 1) not in {levels for levels, _ in measured}
     assert [size for levels, size in measured if levels == (0, 1)] == [8, 4], "sizes above 2 only"
+
+
+def test_a_search_whose_lightest_configuration_fits_nothing_goes_deepest_first_and_reaches_what_fits() -> None:
+    """A large model's case: three rungs, only the third's configurations fit, and only with another rung as well.
+    Lightest first, 12 measurements went to configurations that cannot fit (4 of them, 3 bisections each); deepest
+    first, a configuration that fits nothing rules out the lighter ones, and the same 12 find every fitting one,
+    each at its largest micro-batch."""
+    limits = {(1, 1, 1): 8, (0, 1, 1): 4, (1, 0, 1): 2}  # every other configuration fits no micro-batch
+    plans = {levels: Plan(precision="bf16" if levels[0] else None, checkpointing="full" if levels[1] else None,
+                          activation_offload=bool(levels[2]))
+             for levels in itertools.product((0, 1), repeat=3)}  # fmt: skip
+    by_plan = {plan: levels for levels, plan in plans.items()}
+    measured: list[tuple[int, ...]] = []
+
+    def fits(plan: Plan) -> bool:
+        levels = by_plan[plan.replace(micro_batch_size=None)]
+        measured.append(levels)
+        return plan.effective_micro_batch_size(8) <= limits.get(levels, 0)
+
+    configs = sorted(plans.items(), key=lambda item: sum(item[0]))
+    found = search(configs, 8, 1, fits, limit=12, fixed=0)
+    assert {by_plan[plan]: size for plan, size in found.items() if size is not None} == limits
+    assert len(measured) == 12
+    measured.clear()
+    whole = search(configs, 8, 1, fits, fixed=0)
+    assert whole == {plan: limits.get(levels) for levels, plan in plans.items()}, "every one answered, and right"
+    assert {(1, 0, 0), (0, 1, 0)}.isdisjoint(measured), "lighter than (1, 1, 0), which fits nothing: not measured"
+    assert len(measured) == 14, "lightest first measures 20"
 
 
 def test_a_search_out_of_time_goes_on_where_it_stopped_and_finds_what_one_search_finds() -> None:

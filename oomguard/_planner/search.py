@@ -9,10 +9,17 @@ it), at the largest micro-batch that fits, so that a time model or a stopwatch c
 that is not exact (mixed precision) is searched only where that plan already engages it: a faster plan never
 makes the maths less exact than memory forced it to be.
 
-Two facts keep it short. A configuration with every rung at least as deep (the inexact ones at the same level)
-saves at least as much memory, so its largest micro-batch is at least as large: the bisection starts there. And
-it does at least as much work per sample: where a lighter configuration already runs the whole batch, the deeper
-one cannot be faster and is not measured.
+Three facts keep it short. A configuration with every rung at least as deep (the inexact ones at the same level)
+saves at least as much memory, so its largest micro-batch is at least as large: the bisection starts at the
+lighter ones' and stops at the deeper ones'. A configuration lighter than one that fits no micro-batch fits none
+either, and is not measured. And a deeper configuration does at least as much work per sample: where a lighter
+one already runs the whole batch, the deeper one cannot be faster and is not measured.
+
+The lightest configuration is measured first. Where it fits some micro-batch (a small model), the rest follow
+lightest first, and the dominated ones are skipped. Where it fits none (a large model, that only the deep rungs
+fit), the rest are measured deepest first, so that each one that fails rules out every one lighter than it:
+lightest first, a 1B model's search spent its every measurement on configurations that cannot fit and never
+reached those that do.
 """
 
 from __future__ import annotations
@@ -166,16 +173,28 @@ def search(
 
         return at
 
-    for levels, config in configs:
+    def visit(levels: tuple[int, ...], config: Plan) -> None:
         lighter = [largest[k] for k in largest if _lighter(k, levels, fixed)]
+        deeper = [largest[k] for k in largest if _lighter(levels, k, fixed)]
         if size in lighter:
-            continue  # a lighter configuration runs the whole batch: this one only adds work
+            return  # a lighter configuration runs the whole batch: this one only adds work
+        if None in deeper:
+            largest[levels] = found[config] = None  # a deeper configuration fits no micro-batch: nor does this one
+            return
         low = max((m for m in lighter if m is not None), default=None)
-        candidates = [s for s in halvings(size) if s >= smallest and (low is None or s > low)]
+        high = min((m for m in deeper if m is not None), default=size)
+        candidates = [s for s in halvings(size) if smallest <= s <= high and (low is None or s > low)]
         best = largest_fitting(candidates, measure(config), going)
         largest[levels] = found[config] = best if best is not None else low
+
+    if not configs:
+        return found
+    visit(*configs[0])
+    rest = configs[:0:-1] if found.get(configs[0][1], 0) is None else configs[1:]  # (deepest first: see the module)
+    for levels, config in rest:
         if measured >= limit or stopped:
             break
+        visit(levels, config)
     return found
 
 
