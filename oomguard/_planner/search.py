@@ -190,7 +190,7 @@ def search(
     if not configs:
         return found
     visit(*configs[0])
-    rest = configs[:0:-1] if found.get(configs[0][1], 0) is None else configs[1:]  # (deepest first: see the module)
+    rest = configs[:0:-1] if found[configs[0][1]] is None else configs[1:]  # (deepest first: see the module)
     for levels, config in rest:
         if measured >= limit or stopped:
             break
