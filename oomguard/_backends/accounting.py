@@ -173,6 +173,9 @@ class AccountedDevice(HostFigures):
     def synchronize(self) -> None:
         return None
 
+    def fence(self) -> Callable[[], None]:
+        return _copied  # (every copy is complete when it returns)
+
     def identity(self) -> str:
         """``"SimulatedGPU:<capacity>"``: plans remembered on one simulated size do not apply to another."""
         return f"SimulatedGPU:{self.capacity}"
@@ -393,3 +396,7 @@ class AccountedDevice(HostFigures):
         self, func: torch._ops.OpOverload, args: Any, out: Any, inputs: list[torch.UntypedStorage]
     ) -> set[int]:
         return host_outputs(func, args, out, inputs, self._host.keys()) if self._host.keys() else set()
+
+
+def _copied() -> None:
+    """A wait for copies that are all complete already."""

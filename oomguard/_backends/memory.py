@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -117,6 +118,11 @@ class MemoryBackend(Protocol):
         """Wait for copies started by ``to_host`` to finish."""
         ...
 
+    def fence(self) -> Callable[[], None]:
+        """A wait for the copies ``to_host`` started so far (and for nothing after them): called later, in any
+        thread, it returns once they are complete."""
+        ...
+
     def reset_peak_memory_stats(self) -> None:
         """Start measuring the peak again from the current usage (the guard does so at each attempt)."""
         ...
@@ -197,6 +203,9 @@ class CpuMemory:
 
     def synchronize(self) -> None:
         return None
+
+    def fence(self) -> Callable[[], None]:
+        return _copied  # (copies on the CPU are complete when they return)
 
     def reset_peak_memory_stats(self) -> None:
         return None
@@ -291,6 +300,11 @@ class CudaMemory:
             self._stream.synchronize()
         torch.cuda.synchronize(self.device)
 
+    def fence(self) -> Callable[[], None]:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._copy_stream())  # (after the copies queued there, each after the compute it read)
+        return event.synchronize
+
     def reset_peak_memory_stats(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -364,3 +378,7 @@ def bf16_supported(device: torch.device) -> bool:
     if device.type == "cuda":
         return bool(torch.cuda.is_bf16_supported(including_emulation=False))
     return True
+
+
+def _copied() -> None:
+    """A wait for copies that are all complete already."""

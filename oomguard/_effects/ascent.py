@@ -31,6 +31,7 @@ __all__ = ["Ascent"]
 class _Rising(Protocol):
     """What a halved weight keeps for its upload (see :class:`~oomguard._effects.masters._Weight`)."""
 
+    param: torch.nn.Parameter  # its data the device copy, but while the parameter is its master
     master: torch.Tensor  # fp32, host
     image: torch.Tensor  # bf16, host: what the device copy holds once uploaded
     device: torch.Tensor | None  # the device copy, held while the parameter is its master
@@ -52,19 +53,27 @@ class Ascent:
         self._sent.clear()
         self._last = self._early = 0
 
-    def send(self, weights: Iterable[_Rising], backend: MemoryBackend) -> None:
+    def send(self, weights: Iterable[_Rising], backend: MemoryBackend, *, in_step: bool = True) -> None:
         """Each of ``weights`` not sent yet (its master stepped): rounded into its image on the host, and copied
-        into its device copy (on CUDA without waiting for the copy)."""
+        into its device copy (on CUDA without waiting for the copy). ``in_step=False``: sent during backward
+        (:mod:`.early`), beside no host step of the step's own."""
         sent = 0
         for weight in weights:
-            if id(weight) in self._sent or weight.device is None:
+            if id(weight) in self._sent:
                 continue
             weight.image.copy_(weight.master)  # (fp32 to bf16, on the host)
-            backend.upload(weight.device, weight.image)
+            backend.upload(weight.device if weight.device is not None else weight.param.data, weight.image)
             self._sent.add(id(weight))
             sent += nbytes(weight.image)
-        if sent:
+        if sent and in_step:
             self._early, self._last = self._early + sent, sent
+
+    def resend(self, weights: list[_Rising], backend: MemoryBackend) -> None:
+        """``weights``' step was undone (:mod:`.early`): their masters' rounding goes up again now, and they are
+        sent once more when stepped again."""
+        self._sent.difference_update(id(weight) for weight in weights)
+        self.send(weights, backend, in_step=False)
+        self._sent.difference_update(id(weight) for weight in weights)
 
     def finish(self, weights: Iterable[_Rising], backend: MemoryBackend) -> None:
         """The step is committed: every weight not sent yet goes up now."""

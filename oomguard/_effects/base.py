@@ -17,6 +17,7 @@ import torch
 
 from oomguard._backends.memory import MemoryBackend, active_simulation, current_backend
 from oomguard._effects.activation_host import ActivationLedger
+from oomguard._effects.hoststep import HostStep
 from oomguard._ladder.plan import Plan
 
 __all__ = ["Effect", "EffectTarget", "Packer"]
@@ -138,6 +139,15 @@ class Effect:
     def after_micro_batch(self) -> None:
         """One micro-batch's backward is done (the last one's too, before :meth:`after_backward`): its gradients
         are in the parameters' ``.grad``, added to what the micro-batches before it left there."""
+
+    def step_early(self, host_step: HostStep, host_budget: int | None) -> None:
+        """The attempt's last backward is next, and nothing will look at every gradient before its optimizer step
+        (no clipping, no scaler, one process): the step may begin during that backward (:mod:`.early`)."""
+
+    @property
+    def stepped_early(self) -> int:
+        """Parameters (elements) the last step stepped during its last backward (0: none)."""
+        return 0
 
     def after_backward(self) -> None:
         """The last micro-batch's backward is done: hand over what clipping and the optimizer step need."""

@@ -14,7 +14,7 @@ import torch
 
 from oomguard._backends.memory import MemoryBackend
 
-__all__ = ["Descent"]
+__all__ = ["Descent", "summed"]
 
 
 class _Summed(Protocol):
@@ -45,16 +45,26 @@ class Descent:
             return
         backend.synchronize()  # the copies are complete before the host reads them
         for weight in self._pending.values():
-            assert weight.staging is not None
-            if weight.grad is None or weight.grad.shape != weight.master.shape:
-                weight.grad = torch.empty_like(weight.master)  # (on the host: made from one)
-            if weight.summed:
-                weight.grad.add_(weight.staging)  # (bf16 into fp32)
-            else:
-                weight.grad.copy_(weight.staging)
-            weight.summed = True
+            summed(weight)
         self._pending.clear()
+
+    def take(self, weights: list[_Summed]) -> None:
+        """``weights``' gradients sent are someone else's to land (:mod:`.early`: a bucket whose step begins)."""
+        for weight in weights:
+            self._pending.pop(id(weight), None)
 
     def drop(self) -> None:
         """A failed attempt: what was sent is not summed."""
         self._pending.clear()
+
+
+def summed(weight: _Summed) -> None:
+    """``weight``'s gradient sent down (complete on the host) added to its fp32 sum."""
+    assert weight.staging is not None
+    if weight.grad is None or weight.grad.shape != weight.master.shape:
+        weight.grad = torch.empty_like(weight.master)  # (on the host: made from one)
+    if weight.summed:
+        weight.grad.add_(weight.staging)  # (bf16 into fp32)
+    else:
+        weight.grad.copy_(weight.staging)
+    weight.summed = True

@@ -166,6 +166,17 @@ class Effects:
         for effect in self._effects:
             effect.after_micro_batch()
 
+    def step_early(self, host_budget: int | None) -> None:
+        """The last micro-batch's backward is next, and nothing looks at every gradient before the step: it may
+        begin during that backward (:mod:`.early`), within ``host_budget``."""
+        for effect in self._effects:
+            effect.step_early(self.host_step, host_budget)
+
+    @property
+    def stepped_early(self) -> int:
+        """Parameters (elements) the last step stepped during its last backward."""
+        return sum(effect.stepped_early for effect in self._effects)
+
     def after_backward(self) -> None:
         """The last backward is done (offloaded blocks hand their host gradients to their parameters)."""
         for effect in self._effects:

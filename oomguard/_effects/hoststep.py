@@ -52,6 +52,8 @@ __all__ = [
     "LOOPED_OPTIMIZERS",
     "HostStep",
     "Stepped",
+    "buckets",
+    "fuses",
     "host_loops",
 ]
 
@@ -138,13 +140,13 @@ class _HostSplit:
             host = [p for p in group["params"] if p.grad is not None and not self.backend.is_device(p)]
             if self.fuse and host and not _fusable(host):  # (a bf16 gradient of an fp32 master, say: the loop)
                 settings = _host_settings(group, fuse=False)
-            buckets = _buckets(host) if self.stepped is not None else [host]
-            if not host or (not settings and len(buckets) == 1):
+            parts = buckets(host) if self.stepped is not None else [host]
+            if not host or (not settings and len(parts) == 1):
                 stepped.add(group, host)
                 continue
             on_host = {id(p) for p in host}
             device = [p for p in group["params"] if id(p) not in on_host]
-            if len(buckets) == 1 and not any(p.grad is not None for p in device):  # the group whole on the host
+            if len(parts) == 1 and not any(p.grad is not None for p in device):  # the group whole on the host
                 self._changed.append((group, {key: group[key] for key in settings}))
                 group.update(settings)
                 stepped.add(group, host)
@@ -153,7 +155,7 @@ class _HostSplit:
                 self._changed.append((group, {"params": group["params"]}))
                 group["params"] = device
                 stepped.add(group, [])
-            for bucket in buckets:  # (copies of the group's entries: the state is the parameters')
+            for bucket in parts:  # (copies of the group's entries: the state is the parameters')
                 stepped.add({**group, **settings, "params": bucket}, bucket)
         self._groups, optimizer.param_groups = optimizer.param_groups, stepped
 
@@ -188,7 +190,7 @@ class _Stepping(list[dict[str, Any]]):
                 self._stepped(host)
 
 
-def _buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+def buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``params`` in order, in buckets of about :data:`BUCKET_ELEMENTS` elements (whole parameters)."""
     buckets: list[list[torch.Tensor]] = [[]]
     size = 0
@@ -199,6 +201,12 @@ def _buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         buckets[-1].append(param)
         size += param.numel()
     return buckets
+
+
+def fuses(optimizer: type[torch.optim.Optimizer], group: dict[str, Any], host_step: HostStep) -> bool:
+    """Whether ``group``'s host part steps with torch's fused CPU kernel (its parameters fusable: see the module)."""
+    fuse = host_step == "fused" and optimizer in FUSED_OPTIMIZERS
+    return bool(group.get("fused")) or _host_settings(group, fuse).get("fused", False)
 
 
 def _host_settings(group: dict[str, Any], fuse: bool) -> dict[str, Any]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,9 +36,14 @@ from torch.utils.hooks import RemovableHandle
 from oomguard._backends.memory import MemoryBackend
 from oomguard._effects.ascent import Ascent
 from oomguard._effects.base import EffectTarget
+from oomguard._effects.copies import layout as _layout
+from oomguard._effects.copies import merged as _merged
+from oomguard._effects.copies import ours as _ours
 from oomguard._effects.descent import Descent
+from oomguard._effects.early import EarlyStep
 from oomguard._effects.fingerprint import Fingerprints
 from oomguard._effects.hooks import GuardHook, aside, released
+from oomguard._effects.hoststep import HostStep
 
 __all__ = ["MasterWeights"]
 
@@ -58,32 +62,6 @@ class _Weight:
     grad: torch.Tensor | None = None  # fp32, host: this attempt's micro-batch gradients summed
     staging: torch.Tensor | None = None  # host: a device tensor's values on their way down
     summed: bool = False  # whether ``grad`` holds this attempt's gradients
-
-
-def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
-    return weakref.ref(tensor.untyped_storage()), tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset()
-
-
-def _ours(weight: _Weight, data: torch.Tensor) -> bool:
-    """Whether ``data`` (what ``p.data`` is) is still the device copy the level made, and not a replacement."""
-    storage, *layout = weight.layout
-    return storage() is data.untyped_storage() and layout == [
-        data.dtype,
-        data.shape,
-        data.stride(),
-        data.storage_offset(),
-    ]
-
-
-def _merged(weight: _Weight, values: torch.Tensor) -> torch.Tensor:
-    """The master with the elements ``values`` (the device copy, on the host) hold otherwise than the image."""
-    if values.shape != weight.master.shape:  # (a replacement of another shape: its values whole)
-        return values.to(torch.float32, copy=True)
-    if values.dtype == _BF16:  # bit patterns: a written -0.0 or NaN counts too
-        written = values.view(torch.int16) != weight.image.view(torch.int16)
-    else:
-        written = values.float() != weight.image.float()
-    return torch.where(written, values.float(), weight.master)
 
 
 def _mended(pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> Callable[..., None]:
@@ -106,6 +84,7 @@ class MasterWeights:
         self._loaded: list[_Weight] = []  # the weights a model's load_state_dict() under way writes
         self._descent = Descent()  # the gradients on their way down in this backward
         self.ascent = Ascent()  # the stepped weights on their way up (the planner reads what overlapped the step)
+        self.early = EarlyStep()  # buckets stepped during the last backward (the planner reads how many elements)
         self._autocast = threading.local()  # per thread: the autocast contexts the forward hooks entered
 
     def __contains__(self, param: object) -> bool:
@@ -160,11 +139,14 @@ class MasterWeights:
         for hook in self._hooks:
             hook.remove()
         self._hooks, self._prints = [], Fingerprints()
+        self.early.close()
 
     # -- around backward and the step ------------------------------------------------------------------
     def prepare(self) -> None:
         """An attempt begins: each parameter its device copy again (after a backward without a step, the
         Trainer's replay), no gradient summed, and no autocast left entered by a forward that was interrupted."""
+        if self.early.armed:  # (steps begun in a backward that failed: put back first)
+            self.early.undo()
         self._back_to_device()
         self._prints.release()
         self._descent.drop()  # (a failed attempt's gradients are dropped, summed or not)
@@ -181,8 +163,19 @@ class MasterWeights:
         weight, backend = self._weights.get(param), self._backend  # type: ignore[call-overload]
         if weight is None or backend is None or self._swapped or param.grad is None:
             return  # (not halved, not engaged, or lent as its master: the step's gradient stays)
+        if self.early.taken(weight):  # (a second gradient for a weight whose bucket stepped: none stepped early)
+            self.early.undo()
         self._descent.send(weight, param.grad, backend)
         param.grad = None  # (the device memory lives until the copy has read it)
+        self.early.ready(weight, self._descent)
+
+    def step_early(self, host_step: HostStep, budget: int | None) -> None:
+        """The last backward of an attempt whose step nothing else looks at first is next: each bucket of weights
+        may step as backward completes it (:mod:`.early`); writes on the device committed first."""
+        if self._weights and self._backend is not None and not self._swapped:
+            self.sync()
+            optimizer, backend = self.target.torch_optimizer, self._backend
+            self.early.arm(list(self._weights.values()), optimizer, host_step, backend, self.ascent, budget)
 
     def after_micro_batch(self) -> None:
         """Each halved weight's gradient of this micro-batch added to its fp32 sum on the host (sent down first
@@ -197,18 +190,22 @@ class MasterWeights:
         fp32 gradient; first the masters take what was written on the device since they last matched it."""
         if self._swapped or not self._weights:
             return
-        self.sync()
+        self.early.wait()
+        if not self.early.armed:  # (else committed before the last backward, whose steps wrote the device)
+            self.sync()
         for weight in self._weights.values():
             weight.device = weight.param.data
             weight.param.data = weight.master
-            weight.param.grad = weight.grad if weight.summed else None
+            early = id(weight) in self.early.stepped  # (stepped: the step after backward skips it)
+            weight.param.grad = weight.grad if weight.summed and not early else None
         self._swapped = True
 
     def ready_for_step(self) -> None:
         """The optimizer step is next: the masters lent (see :meth:`lend_masters`), and the device buffers for the
         checksums after it made now (may run out of memory), as nothing may fail once the step is committed."""
         self.lend_masters()
-        self.ascent.begin()
+        if not self.early.armed:  # (else what the last backward sent is sent)
+            self.ascent.begin()
         if self._weights:
             self._prints.prepare(self._devices())
 
@@ -223,6 +220,7 @@ class MasterWeights:
         if not self._swapped or self._backend is None:
             return
         self.ascent.finish(self._weights.values(), self._backend)
+        self.early.disarm()
         self._unswap()
         self._prints.record(self._devices(), self._backend)
 

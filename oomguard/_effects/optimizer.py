@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._effects.base import Effect, EffectTarget
+from oomguard._effects.hoststep import HostStep
 from oomguard._effects.masters import MasterWeights
 from oomguard._errors import GuardConfigError
 from oomguard._ladder.plan import Plan, keeps_master_weights
@@ -113,6 +114,13 @@ class OptimizerOffloadEffect(Effect):
 
     def after_micro_batch(self) -> None:
         self._level.after_micro_batch()
+
+    def step_early(self, host_step: HostStep, host_budget: int | None) -> None:
+        self._level.step_early(host_step, host_budget)
+
+    @property
+    def stepped_early(self) -> int:
+        return self._level.early.elements if self._level.engaged else 0
 
     def after_backward(self) -> None:
         self._level.lend_masters()

@@ -296,6 +296,8 @@ class StepRunner:
             if weight == 0.0:  # no counted item: it contributes exactly nothing (and its mean is NaN)
                 continue
             self.progress.phase, self.progress.micro_batch = Phase.FORWARD, index
+            if index == last and self._steps_alone(job):  # (before the forward: with nothing of it resident)
+                self.effects.step_early(self.transaction.host_budget)
             if self.agreement is not None:
                 self.agreement.micro_batch(last=index == last)
             with self.effects.forward(plan, backend):
@@ -311,6 +313,12 @@ class StepRunner:
             total = contribution if total is None else total + contribution
             del loss, weighted  # drop the graph's last references before the next micro-batch's forward
         return len(parts), loss_value(total, refuse_non_finite=job.commits and scaler is None)
+
+    def _steps_alone(self, job: _Job) -> bool:
+        """Whether this attempt's optimizer step follows its backward with nothing that looks at every gradient
+        first (clipping, a scaler, other ranks, a caller's own step): it may begin during the last backward."""
+        alone = self.max_grad_norm is None and job.scaler is None and self.agreement is None
+        return alone and job.commits and self.accelerator is None and self.transaction.journal != "never"
 
     def _refuse_a_backward_of_its_own(self) -> None:
         """The gradients were dropped when the attempt began: any there now, the step function made itself."""

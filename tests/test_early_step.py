@@ -1,0 +1,227 @@
+"""The master level's host step begun during the last backward (issue 27): each bucket steps as soon as backward has
+finished its gradients, on a host thread, while backward goes on. The same bits as the step after backward; undone
+whole when the attempt fails after it; not begun where anything looks at every gradient before the step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from helpers.batches import tuple_batch
+from helpers.steps import mse_step
+
+from oomguard import OOMGuard, Plan
+from oomguard._effects.early import EarlyStep
+from oomguard._step.runner import StepRunner
+from oomguard.testing import SimulatedGPU
+
+MASTER = Plan(precision="bf16", optimizer_offload="master")
+#: About one 32 x 32 weight and its bias a bucket.
+SMALL_BUCKET = 1100
+
+
+@pytest.fixture(autouse=True)
+def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("oomguard._effects.hoststep.BUCKET_ELEMENTS", SMALL_BUCKET)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    inner = [torch.nn.Linear(32, 32) for _ in range(4)]
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), *inner, torch.nn.Linear(32, 1))
+
+
+def make_guard(
+    model: torch.nn.Module, optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, **options: Any
+) -> OOMGuard:
+    plan = options.pop("plan", MASTER)
+    made = optimizer(model.parameters(), lr=1e-2)
+    guard = OOMGuard(mse_step(model), model=model, optimizer=made, ladder=[], tune_after=None, **options)
+    guard.plan = plan
+    return guard
+
+
+def level(guard: OOMGuard) -> Any:
+    effect = next(e for e in guard.effects._effects if type(e).__name__ == "OptimizerOffloadEffect")
+    return effect._level  # type: ignore[attr-defined]
+
+
+def state(model: torch.nn.Module, guard: OOMGuard) -> list[torch.Tensor]:
+    """The device copies, the fp32 masters and every tensor of the optimizer's state, copied."""
+    moments = [v.clone() for s in guard.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return (
+        [p.detach().clone() for p in model.parameters()] + [m.clone() for m in level(guard).masters.values()] + moments
+    )
+
+
+def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def trained(
+    early: bool, monkeypatch: pytest.MonkeyPatch, seeds: range = range(4), **options: Any
+) -> tuple[list[torch.Tensor], list[int]]:
+    """A fresh model trained on the master level, its step begun during backward or not (``early``); its state,
+    and the elements each call stepped during backward."""
+    with monkeypatch.context() as patched:
+        if not early:
+            patched.setattr(StepRunner, "_steps_alone", lambda self, job: False)
+        model = make_model()
+        guard = make_guard(model, **options)
+        stepped = []
+        with SimulatedGPU("1GiB") as gpu:
+            gpu.adopt(model)
+            for seed in seeds:
+                guard(tuple_batch(seed=seed))
+                stepped.append(guard.effects.stepped_early)
+            return state(model, guard), stepped
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"plan": MASTER.replace(micro_batch_size=2)},
+        {"host_step": "exact"},
+        {"optimizer": lambda params, lr: torch.optim.Adam(params, lr=lr, amsgrad=True, weight_decay=0.1)},
+    ],
+    ids=["adamw-fused", "micro-batches", "exact", "adam-amsgrad"],
+)
+def test_buckets_stepped_during_backward_are_the_step_after_backward_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, Any]
+) -> None:
+    """Every parameter of the MLP steps during its last backward from the second step on (the first makes Adam's
+    state, after backward); masters, device copies and moments equal the step after backward's, bit for bit."""
+    early, stepped = trained(True, monkeypatch, **options)
+    after, none = trained(False, monkeypatch, **options)
+    total = sum(p.numel() for p in make_model().parameters())
+    assert stepped == [0, total, total, total] and none == [0, 0, 0, 0]
+    assert equal(early, after)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_grad_norm": 1.0},
+        {"optimizer": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)},
+        {"step_journal": "never"},
+    ],
+    ids=["clipping", "sgd", "no-journal"],
+)
+def test_no_step_begins_during_backward_where_something_must_see_every_gradient_first(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, Any]
+) -> None:
+    """Clipping needs the whole batch's norm; another optimizer is not known to step parameters one by one; an
+    early step without a journal could not be undone."""
+    _, stepped = trained(True, monkeypatch, **options)
+    assert stepped == [0, 0, 0, 0]
+
+
+def test_a_step_hook_on_the_optimizer_keeps_the_whole_step_after_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model()
+    guard = make_guard(model)
+    calls: list[int] = []
+    guard.optimizer.register_step_pre_hook(lambda *_: calls.append(1))
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        for seed in range(3):
+            guard(tuple_batch(seed=seed))
+            assert guard.effects.stepped_early == 0
+    assert calls == [1, 1, 1], "the hook saw one step a call"
+
+
+def fail_in_backward(model: torch.nn.Module, error: BaseException) -> list[bool]:
+    """The first layer's backward (the last to run) raises ``error`` while armed; returns the switch."""
+    armed = [False]
+
+    def hook(_: torch.Tensor) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise error
+
+    model[0].weight.register_hook(hook)
+    return armed
+
+
+@pytest.mark.parametrize("error", [RuntimeError("a bug late in backward"), KeyboardInterrupt()])
+def test_an_attempt_that_fails_after_buckets_stepped_puts_them_back_whole(
+    monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    """The buckets of the last layers stepped (and went up) before the first layer's backward raised: masters,
+    moments and device copies are as before the call, and the next calls train as if it never failed."""
+    reference = make_model()
+    plain = make_guard(reference)
+    model = make_model()
+    guard = make_guard(model)
+    armed = fail_in_backward(model, error)
+    kernel, stepped = torch._fused_adamw_, []
+
+    def spy(params: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        stepped.append(sum(p.numel() for p in params))
+        return kernel(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model, reference)
+        for seed in (1, 2, 3):
+            plain(tuple_batch(seed=seed))
+        guard(tuple_batch(seed=1))
+        before, stepped[:] = state(model, guard), []
+        armed[0] = True
+        with pytest.raises(type(error)):
+            guard(tuple_batch(seed=2))
+        assert stepped, "buckets stepped during backward before it raised"
+        assert equal(state(model, guard), before)
+        guard(tuple_batch(seed=2))
+        guard(tuple_batch(seed=3))
+    assert equal(state(model, guard), state(reference, plain))
+
+
+class Shared(torch.nn.Module):
+    """A weight used inside a reentrant checkpoint and outside it: its gradient is accumulated twice a backward,
+    the first time after the checkpoint's own backward, before the rest of backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = torch.nn.Linear(16, 16)
+        self.shared = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.shared(x)
+        x = torch.utils.checkpoint.checkpoint(lambda h: self.shared(self.inner(h)), x, use_reentrant=True)
+        return self.out(x)
+
+
+def test_a_gradient_accumulated_after_its_bucket_stepped_moves_the_whole_step_after_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The early steps of that backward are undone when the second gradient comes, and the step after backward
+    steps everything with the whole sums: the bits of a step that never began early."""
+    monkeypatch.setattr("oomguard._effects.hoststep.BUCKET_ELEMENTS", 16 * 16 + 16)
+    undone: list[int] = []
+    undo = EarlyStep.undo
+
+    def counted(self: EarlyStep) -> None:
+        undone.append(len(self.stepped))
+        undo(self)
+
+    monkeypatch.setattr(EarlyStep, "undo", counted)
+    found = []
+    for early in (True, False):
+        with monkeypatch.context() as patched:
+            if not early:
+                patched.setattr(StepRunner, "_steps_alone", lambda self, job: False)
+            model = Shared()
+            guard = make_guard(model)
+            with SimulatedGPU("1GiB") as gpu:
+                gpu.adopt(model)
+                for seed in range(3):
+                    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed))
+                    guard((x, torch.randn(4, generator=torch.Generator().manual_seed(seed))))
+                found.append(state(model, guard))
+    assert equal(*found)
+    assert len(undone) == 2 and all(undone), "each step after the first began early, and was undone"
