@@ -75,6 +75,7 @@ from helpers.sweep import (
 from oomguard import FallbackEvent, OOMGuard, Plan
 from oomguard._detect import is_oom
 from oomguard._distributed.agreement import Agreement
+from oomguard._effects.early import EarlyStep
 from oomguard._effects.hoststep import HostStep
 from oomguard.testing import SimulatedGPU
 
@@ -194,6 +195,38 @@ def test_an_oom_at_every_allocation_of_a_step_with_the_fused_host_step_loses_not
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     check_fused_sweep(name, every_allocation, monkeypatch)
+
+
+# The master level's host step begun during the last backward (oomguard/_effects/early.py): only without clipping,
+# so these sweeps clip nothing. A fault later in that backward, after buckets stepped on the host thread, finds them
+# undone; every guard steps fused, a bucket a parameter.
+def check_early_sweep(sample: Sample, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("oomguard._effects.hoststep.BUCKET_ELEMENTS", 1)
+    monkeypatch.setattr("helpers.sweep.MAX_GRAD_NORM", None)
+    begun: list[int] = []
+    step = EarlyStep._step
+
+    def counted(self: EarlyStep, *args: Any) -> None:
+        begun.append(1)
+        step(self, *args)
+
+    monkeypatch.setattr(EarlyStep, "_step", counted)
+    name = "optimizer offload, master weights"
+    check_sweep(TINY, f"{name}, early host step", FUSED_CONFIGS[name], sample, PHASES - {"clip"}, host_step="fused")
+    assert begun, "buckets stepped during the last backward"
+
+
+def test_an_oom_at_sampled_allocations_of_a_step_begun_during_backward_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    check_early_sweep(phase_edges, monkeypatch)
+
+
+@pytest.mark.slow
+def test_an_oom_at_every_allocation_of_a_step_begun_during_backward_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    check_early_sweep(every_allocation, monkeypatch)
 
 
 # The Llama's first step (Adam building its state), on every configuration but all rungs at once: ~400 to ~1500

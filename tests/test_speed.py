@@ -87,6 +87,8 @@ def test_on_cuda_the_master_levels_weights_going_up_beside_the_host_step_cost_on
     """Issue 27: each bucket of the master level's stepped weights goes up while the host steps the next
     (oomguard/_effects/ascent.py); the model added the copies to the host step."""
     monkeypatch.setattr("oomguard._effects.hoststep.BUCKET_ELEMENTS", 4096)  # (a tiny model's host step in buckets)
+    # The step after backward, whose buckets this is about (not begun during backward: the test below).
+    monkeypatch.setattr("oomguard._step.runner.StepRunner._steps_alone", lambda self, job: False)
     plans = [Plan(precision="bf16", optimizer_offload="master"), Plan(optimizer_offload=True)]
     slow = DeviceSpeed(link_gbps=0.05, host_params_per_second=1e6)  # (copies and host step both count)
 
@@ -104,6 +106,25 @@ def test_on_cuda_the_master_levels_weights_going_up_beside_the_host_step_cost_on
     assert 0.5 * weights_up < saved < weights_up, "all but the last bucket's copies hidden behind the host step"
     assert level1[0].predicted_seconds == level1[1].predicted_seconds, "level 1's weights go up after the step"
     assert [c.predicted_seconds for c in simulated] == [c.predicted_seconds for c in simulated_added], "a memcpy"
+
+
+def test_on_cuda_the_master_levels_host_step_begun_during_backward_costs_only_what_backward_does_not_hide(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 27: each bucket whose gradients backward has finished steps on the host while backward goes on
+    (oomguard/_effects/early.py); the model added the whole host step after backward."""
+    monkeypatch.setattr("oomguard._effects.hoststep.BUCKET_ELEMENTS", 4096)
+    plans = [Plan(precision="bf16", optimizer_offload="master")]
+    speed = DeviceSpeed(gpu_tflops=1e-4, host_params_per_second=1e6)  # (a backward long enough to hide it all)
+    params = sum(p.numel() for p in make_llama(layers=2, hidden=64).parameters())
+    (early,), (early_simulated,) = _llama_candidates(plans, speed, "cuda"), _llama_candidates(plans, speed, "simulated")
+    monkeypatch.setattr("oomguard._step.runner.StepRunner._steps_alone", lambda self, job: False)
+    (after,), (after_simulated,) = _llama_candidates(plans, speed, "cuda"), _llama_candidates(plans, speed, "simulated")
+    saved = after.predicted_seconds - early.predicted_seconds
+    host = params / speed.host_params_per_second
+    assert 0.5 * host < saved <= host, f"all but the buckets finished last hidden behind backward: {saved} s"
+    assert early.transfer_bytes == after.transfer_bytes, "the same copies"
+    assert early_simulated.predicted_seconds == after_simulated.predicted_seconds, "nothing beside, simulated"
 
 
 def test_the_recommendation_is_the_fastest_fitting_plan() -> None:

@@ -107,7 +107,8 @@ class StepBench:
             self.runner.transaction.release_host_copies()  # (the journal's copies are added by judge)
             base = probe.start()
             batch = two_micro_batches(self.batch, plan, self.size)
-            with FlopCount() as counted:
+            last = _last_backward(self.runner, plan.micro_batches(batch_size(batch)) - 1)
+            with FlopCount(window=last) as counted:
                 self.run(batch, plan)
         run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
         return Trace(
@@ -116,6 +117,7 @@ class StepBench:
             transfers=probe.transfers(run, parts), overlapped=probe.overlapped(run, parts),
             uploaded=self.runner.effects.uploaded_beside,
             flops=counted.total * parts / run, ops=counted.ops * parts / run,
+            early=self.runner.effects.stepped_early, window=counted.window,
         )  # fmt: skip
 
     def judge(self, plan: Plan, trace: Trace) -> Candidate:
@@ -140,6 +142,8 @@ class StepBench:
             # on the same thread)
             overlapped_bytes=trace.overlapped if self.target == "cuda" else 0,
             uploaded_beside_bytes=trace.uploaded if self.target == "cuda" else 0,
+            early_params=trace.early if self.target == "cuda" else 0,
+            early_window_flops=trace.window,
         )
         phase = None if on_device else trace.failing_phase(self.budget)
         fits = on_device and on_host
@@ -162,6 +166,12 @@ def _phase_of(runner: StepRunner) -> Callable[[], Phase]:
     """The runner's phase, read through a weak reference (see :class:`Probe`)."""
     held = weakref.ref(runner)
     return lambda: getattr(getattr(held(), "progress", None), "phase", Phase.DONE)
+
+
+def _last_backward(runner: StepRunner, last: int) -> Callable[[], bool]:
+    """Whether the runner is in the backward of its micro-batch ``last`` (read as :func:`_phase_of` reads)."""
+    phase, micro_batch = _phase_of(runner), _micro_batch_of(runner)
+    return lambda: micro_batch() == last and phase() == Phase.BACKWARD
 
 
 def _micro_batch_of(runner: StepRunner) -> Callable[[], int]:

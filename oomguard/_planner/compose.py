@@ -52,6 +52,8 @@ class Trace:
     uploaded: int  # of which copies to the device run beside the host step (the master level's weights, on CUDA)
     flops: float  # matrix FLOPs of the whole step
     ops: float  # operations dispatched in the whole step
+    early: int = 0  # parameters (elements) stepped on the host during the last backward (the master level's)
+    window: float = 0.0  # matrix FLOPs of the last micro-batch's backward: what those host steps run beside
 
     @property
     def peak(self) -> int:
@@ -119,6 +121,7 @@ def compose(traces: list[tuple[Trace, float]], budget: int) -> Trace:
         journal=rounded(lambda t: t.journal), transfers=rounded(lambda t: t.transfers),
         overlapped=rounded(lambda t: t.overlapped), uploaded=rounded(lambda t: t.uploaded),
         flops=max(0.0, total(lambda t: t.flops)), ops=max(0.0, total(lambda t: t.ops)),
+        early=rounded(lambda t: t.early), window=max(0.0, total(lambda t: t.window)),
     )  # fmt: skip
 
 

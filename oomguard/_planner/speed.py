@@ -57,10 +57,12 @@ class FlopCount(TorchDispatchMode):  # type: ignore[misc]
     activations among them), which would change the very peaks the planner measures beside it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, window: Callable[[], bool] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.total = 0
         self.ops = 0  # every operation dispatched, for the fixed cost of each
+        self._window = window
+        self.window = 0  # of ``total``, the FLOPs of ops run while ``window()`` said so (the last backward)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -68,7 +70,10 @@ class FlopCount(TorchDispatchMode):  # type: ignore[misc]
         self.ops += 1
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
-            self.total += count(*args, **kwargs, out_val=out)
+            flops = count(*args, **kwargs, out_val=out)
+            self.total += flops
+            if self._window is not None and self._window():
+                self.window += flops
         return out
 
 
@@ -111,15 +116,21 @@ class DeviceSpeed:
         ops: float = 0,
         overlapped_bytes: int = 0,
         uploaded_beside_bytes: int = 0,
+        early_params: int = 0,
+        early_window_flops: float = 0.0,
     ) -> float:
         """The predicted time of one optimizer step. ``overlapped_bytes`` of ``transfer_bytes`` are copies that run
         beside the compute (device to host on a side stream while forward and backward go on: saved activations,
         gradients on their way down), and ``uploaded_beside_bytes`` copies to the device that run beside the host
         step (the master level's stepped weights, bucket by bucket): each costs only what the work beside it does
-        not hide."""
+        not hide. ``early_params`` of ``host_params`` step during the last micro-batch's backward
+        (``early_window_flops`` of compute, :mod:`oomguard._effects.early`), journaled first (about as much host
+        work again): they cost only what that backward does not hide."""
         tflops = self.gpu_tflops if precision is not None else (self.fp32_tflops or self.gpu_tflops / 2)
         compute, link = flops / (tflops * 1e12), self.link_gbps * 1e9
-        host = host_params / self.host_params_per_second
+        early = 2 * early_params / self.host_params_per_second  # (the journal's copies, then the step)
+        host = (host_params - early_params) / self.host_params_per_second
+        host += max(0.0, early - early_window_flops / (tflops * 1e12))
         return (
             max(compute, overlapped_bytes / link)
             + (transfer_bytes - overlapped_bytes - uploaded_beside_bytes) / link
