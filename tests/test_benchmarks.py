@@ -85,3 +85,14 @@ def test_the_host_step_benchmark_times_every_contender(tmp_path: Path, monkeypat
         )
         assert all(rate > 0 for rate in result["parameters_per_s"].values())
         assert "deepspeed" in result["notes"], "DeepSpeed's figure, or why there is none"
+
+
+def test_the_early_step_benchmark_times_both_steps_and_steps_during_backward(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    early_step = _load("early_step", monkeypatch)
+    out = tmp_path / "early.json"
+    assert early_step.main(["--width", "64", "--layers", "2", "--batch", "4", "--rounds", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text(encoding="utf-8"))
+    assert result["stepped_early"] == result["parameters"] == 2 * 64 * 64, "every weight stepped during backward"
+    assert result["early_seconds"] > 0 and result["after_seconds"] > 0
