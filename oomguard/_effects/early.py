@@ -27,7 +27,7 @@ runs after backward.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -86,9 +86,14 @@ class EarlyStep:
     def armed(self) -> bool:
         return self._optimizer is not None
 
+    @staticmethod
+    def possible(weights: Sequence[_Early], optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer and its state let ``weights`` step early (see the module), the host aside."""
+        return _groups(optimizer, weights) is not None
+
     def arm(
         self,
-        weights: list[_Early],
+        weights: Sequence[_Early],
         optimizer: torch.optim.Optimizer,
         host_step: HostStep,
         backend: MemoryBackend,
@@ -165,8 +170,9 @@ class EarlyStep:
         self.elements += sum(w.master.numel() for w in bucket.weights)
 
     def wait(self) -> None:
-        """Every bucket begun is stepped (the error of one that failed raises here)."""
+        """Every bucket begun is stepped (the error of the first that failed raises here, once all have ended)."""
         pending, self._pending = self._pending, []
+        concurrent.futures.wait(pending)
         for future in pending:
             future.result()
 
@@ -210,7 +216,9 @@ class EarlyStep:
             self._worker = None
 
 
-def _groups(optimizer: torch.optim.Optimizer, weights: list[_Early]) -> list[tuple[dict[str, Any], list[Any]]] | None:
+def _groups(
+    optimizer: torch.optim.Optimizer, weights: Sequence[_Early]
+) -> list[tuple[dict[str, Any], list[Any]]] | None:
     """The weights by the optimizer's groups (in its order), where an early step of them is the step's exactly
     (see the module); None where it is not."""
     if type(optimizer) not in FUSED_OPTIMIZERS or _hooked(optimizer):

@@ -172,10 +172,10 @@ class MasterWeights:
     def step_early(self, host_step: HostStep, budget: int | None) -> None:
         """The last backward of an attempt whose step nothing else looks at first is next: each bucket of weights
         may step as backward completes it (:mod:`.early`); writes on the device committed first."""
-        if self._weights and self._backend is not None and not self._swapped:
+        weights, optimizer, backend = list(self._weights.values()), self.target.torch_optimizer, self._backend
+        if weights and backend is not None and not self._swapped and self.early.possible(weights, optimizer):
             self.sync()
-            optimizer, backend = self.target.torch_optimizer, self._backend
-            self.early.arm(list(self._weights.values()), optimizer, host_step, backend, self.ascent, budget)
+            self.early.arm(weights, optimizer, host_step, backend, self.ascent, budget)
 
     def after_micro_batch(self) -> None:
         """Each halved weight's gradient of this micro-batch added to its fp32 sum on the host (sent down first
