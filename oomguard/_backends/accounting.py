@@ -229,6 +229,11 @@ class AccountedDevice(HostFigures):
         with torch.no_grad():
             device.copy_(host)
 
+    def prefetch(self, device: torch.Tensor, host: torch.Tensor) -> Callable[[], None]:
+        """:meth:`upload` (a memcpy, complete when it returns: there is nothing to wait for after it)."""
+        self.upload(device, host)
+        return _copied
+
     def is_device(self, tensor: torch.Tensor) -> bool:
         """Whether the tensor's storage (a wrapper subclass's: its inner tensors') is counted as device memory."""
         return bool(found := cpu_storages(tensor)) and all(id(s) in self._tracked for s in found)

@@ -7,6 +7,7 @@ real one), else CUDA for a model on a GPU, else the host allocator.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from collections.abc import Callable
@@ -106,6 +107,11 @@ class MemoryBackend(Protocol):
         """Copy ``host`` into the device tensor ``device`` in place (ordered after the compute before it)."""
         ...
 
+    def prefetch(self, device: torch.Tensor, host: torch.Tensor) -> Callable[[], None]:
+        """Begin copying ``host`` into the device tensor ``device`` beside the compute; the compute that reads
+        ``device`` must first call what this returns (it waits for the copy, the host does not)."""
+        ...
+
     def is_device(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory is device memory (what offloading can move to the host)."""
         ...
@@ -194,6 +200,10 @@ class CpuMemory:
     def upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
         with torch.no_grad():
             device.copy_(host)
+
+    def prefetch(self, device: torch.Tensor, host: torch.Tensor) -> Callable[[], None]:
+        self.upload(device, host)
+        return _copied
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return False  # on a CPU-only run there is no device memory to free by offloading
@@ -289,6 +299,20 @@ class CudaMemory:
         with torch.no_grad():
             device.copy_(host, non_blocking=True)  # on the current stream: after the compute that freed ``device``
 
+    def prefetch(self, device: torch.Tensor, host: torch.Tensor) -> Callable[[], None]:
+        # On the copy stream, after the compute queued so far (``device``'s memory may have been another tensor's
+        # until then); record_stream keeps the allocator from reusing it before the copy is done, should it be
+        # let go unread.
+        self.transferred_bytes += nbytes(host)
+        stream, current = self._copy_stream(), torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream), torch.no_grad():
+            device.copy_(host, non_blocking=True)
+        device.record_stream(stream)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        return functools.partial(_wait_for, event, self.device)
+
     def is_device(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cuda"
 
@@ -382,3 +406,8 @@ def bf16_supported(device: torch.device) -> bool:
 
 def _copied() -> None:
     """A wait for copies that are all complete already."""
+
+
+def _wait_for(event: torch.cuda.Event, device: torch.device) -> None:
+    """The compute stream waits for ``event`` (a copy beside it); the host does not."""
+    torch.cuda.current_stream(device).wait_event(event)

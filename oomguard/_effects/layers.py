@@ -5,6 +5,11 @@ Layer offload streams a block's parameters the way FSDP does: each parameter kee
 autograd graph keeps views of that storage (a linear layer saves ``weight.t()``), so swapping ``p.data`` alone
 would free nothing; emptying the storage frees it while those views stay valid for the refill before backward.
 Copies go through the memory backend's primitives only, so the same code runs on CUDA and on the simulated device.
+
+While one block computes, the next one in the pass's direction (block k+1 in forward, k-1 in backward, checkpoint
+recomputes included) is brought in beside it (:meth:`~oomguard._backends.memory.MemoryBackend.prefetch`: on CUDA
+on the copy stream, the compute waiting only when it reaches that block), so that the link works while the device
+does: at most two offloaded blocks are resident at once, where one was.
 """
 
 from __future__ import annotations
@@ -20,27 +25,11 @@ from torch.utils._pytree import tree_flatten
 from oomguard._backends.memory import MemoryBackend
 from oomguard._effects.base import Effect, EffectTarget, Packer
 from oomguard._effects.hooks import aside
+from oomguard._effects.recast import Recasts
 from oomguard._errors import GuardConfigError
 from oomguard._ladder.plan import Plan
 
 __all__ = ["LayerOffloadEffect", "LayerOffloader"]
-
-
-@dataclass(frozen=True)
-class _Recast:
-    """A copy of a streamed weight that a forward saved for backward (autocast's half-precision cast, or a view
-    of it): made again from the weight when backward needs it, rather than kept on the device in between."""
-
-    param: torch.Tensor
-    dtype: torch.dtype
-    device: torch.device
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-    def make(self) -> torch.Tensor:
-        copy = self.param.detach().to(device=self.device, dtype=self.dtype)
-        return copy.as_strided(self.size, self.stride, self.offset)
 
 
 @dataclass(eq=False)
@@ -64,6 +53,9 @@ class _Block:
     #: is released once the gradient of its input is complete (or after backward).
     pending: int | None = 0
     handles: list[Any] = field(default_factory=list)
+    #: While the block's weights are on their way up beside the compute (prefetched): what the compute calls to
+    #: wait for them before it reads them.
+    arriving: list[Callable[[], None]] = field(default_factory=list)
 
 
 class LayerOffloader:
@@ -74,11 +66,14 @@ class LayerOffloader:
     steps the parameters *are* the host copies, so ``optimizer.step()`` (and its state) runs on the host.
     """
 
+    #: Whether the next block of a pass comes in while the current one computes (see the module).
+    prefetch = True
+
     def __init__(self, optimizer: torch.optim.Optimizer, backend: MemoryBackend) -> None:
         self.backend = backend
         self.optimizer = optimizer
         self.blocks: list[_Block] = []
-        self._streamed: set[int] = set()  # ids of every streamed parameter
+        self.streamed: set[int] = set()  # ids of every streamed parameter
 
     def device_storages(self) -> set[int]:
         """Identities of the device storages streamed weights use (they persist, resized in place)."""
@@ -89,7 +84,7 @@ class LayerOffloader:
         params = [  # a parameter shared with a block already offloaded is streamed by that block
             _Streamed(p, self.backend.to_host(p.data), p.data)
             for p in module.parameters()
-            if id(p) not in self._streamed
+            if id(p) not in self.streamed
         ]
         states = [self._state_tensors(item.param, on=item.device.device) for item in params]
         for item, state in zip(params, states, strict=True):
@@ -109,32 +104,7 @@ class LayerOffloader:
                 hook = self._grad_ready(block)
                 block.handles.append(item.param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
         self.blocks.append(block)
-        self._streamed.update(id(item.param) for item in params)
-
-    def recast_of(self, tensor: torch.Tensor) -> _Recast | None:
-        """A handle that re-makes ``tensor`` in backward if it is a copy of a streamed weight, else None.
-
-        Under autocast a linear layer saves the half-precision copy of its weight (as ``weight.t()``): kept, the
-        copies of every offloaded block would stay on the device from forward to backward, half the size of the
-        weights offload took off it. Casting again in backward, from the weight brought back for it, costs one
-        copy per use.
-        """
-        base = tensor._base if tensor._base is not None else tensor
-        node = base.grad_fn
-        if node is None or node.name() != "ToCopyBackward0":
-            return None
-        source = node.next_functions[0][0]
-        param = getattr(source, "variable", None)  # AccumulateGrad: the leaf the copy was made of
-        if param is None or id(param) not in self._streamed:
-            return None
-        return _Recast(
-            param,
-            tensor.dtype,
-            tensor.device,
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-            int(tensor.storage_offset()),
-        )
+        self.streamed.update(id(item.param) for item in params)
 
     def restore_last(self) -> None:
         """Bring the most recently offloaded block back to the device, all or nothing.
@@ -171,7 +141,7 @@ class LayerOffloader:
                 self.optimizer.state[item.param].update(device_state)
         self.backend.synchronize()
         self.blocks.pop()
-        self._streamed.difference_update(id(item.param) for item in block.params)
+        self.streamed.difference_update(id(item.param) for item in block.params)
 
     def _state_tensors(self, param: torch.Tensor, on: torch.device | None = None) -> dict[str, torch.Tensor]:
         """The optimizer state of ``param``: every tensor, or only those on device ``on``.
@@ -188,17 +158,32 @@ class LayerOffloader:
 
     # -- streaming ------------------------------------------------------------------------------------
     def _materialize(self, block: _Block) -> None:
+        """``block`` on the device for the compute that follows, and the next block of this pass on its way."""
+        self._bring(block, prefetch=False)
+        waits, block.arriving = block.arriving, []
+        for wait in waits:  # (prefetched: the compute waits for the copies, the host does not)
+            wait()
+        index = self.blocks.index(block)
+        following = index - 1 if torch._C._current_graph_task_id() != -1 else index + 1  # (backward: the one before)
+        if self.prefetch and 0 <= following < len(self.blocks):
+            self._bring(self.blocks[following], prefetch=True)
+
+    def _bring(self, block: _Block, prefetch: bool) -> None:
         if block.resident:
             return
         block.resident = True  # first: if an allocation below fails, reset() still releases what was grown
         for item in block.params:
             self.backend.resize_storage(item.device, item.host.numel() * item.host.element_size())
-            self.backend.upload(item.device, item.host)
+            if prefetch:
+                block.arriving.append(self.backend.prefetch(item.device, item.host))
+            else:
+                self.backend.upload(item.device, item.host)
             item.param.data = item.device
         frozen = any(not item.param.requires_grad for item in block.params)
         block.pending = None if frozen else sum(1 for item in block.params if item.param.requires_grad)
 
     def _release(self, block: _Block) -> None:
+        block.arriving = []  # (a prefetched block let go unread: on CUDA its copy still holds the memory)
         if not block.resident:
             return
         for item in block.params:
@@ -292,22 +277,6 @@ class LayerOffloader:
         return aside(handle for block in self.blocks for handle in block.handles)
 
 
-class _Recasts:
-    """The saved-tensor hook share of layer offload: copies of streamed weights are made again in backward."""
-
-    def __init__(self, layers: LayerOffloader) -> None:
-        self.layers = layers
-
-    def pack(self, tensor: torch.Tensor) -> _Recast | None:
-        return self.layers.recast_of(tensor)
-
-    def unpack(self, packed: _Recast) -> torch.Tensor:
-        return packed.make()
-
-    def finish(self) -> None:
-        return None
-
-
 class LayerOffloadEffect(Effect):
     """Offloads as many of the model's blocks as the plan says, one at a time, and streams them in for use."""
 
@@ -355,7 +324,7 @@ class LayerOffloadEffect(Effect):
         return True
 
     def packer(self, plan: Plan, backend: MemoryBackend) -> Packer | None:
-        return _Recasts(self._layers) if self._layers is not None and self._layers.blocks else None
+        return Recasts(self._layers.streamed) if self._layers is not None and self._layers.blocks else None
 
     def suspended(self) -> contextlib.AbstractContextManager[None] | None:
         # Between steps a streamed parameter *is* its host copy (shape and dtype as the user made it): only the

@@ -44,7 +44,8 @@ class Probe(AccountedDevice):
 
     def overlapped(self, micro_batches_run: int, micro_batches: int) -> int:
         """Of :meth:`transfers`, the bytes copied beside the compute: on CUDA a device-to-host copy during forward
-        and backward runs on the backend's copy stream, and the compute waits for none of it."""
+        and backward, and the next streamed block going up (:meth:`prefetch`), run on the backend's copy stream,
+        and the compute waits for none of it (for a prefetched block only when it reaches that block)."""
         return self.beside * micro_batches // micro_batches_run
 
     def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -60,6 +61,11 @@ class Probe(AccountedDevice):
     def upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
         self._attribute(host)
         super().upload(device, host)
+
+    def prefetch(self, device: torch.Tensor, host: torch.Tensor) -> Callable[[], None]:
+        if self._phase_of() in (Phase.FORWARD, Phase.BACKWARD):  # (on CUDA on the copy stream, beside the compute)
+            self.beside += nbytes(host)
+        return super().prefetch(device, host)  # (its upload attributes the bytes)
 
     def _attribute(self, tensor: torch.Tensor) -> None:
         moved = nbytes(tensor)
