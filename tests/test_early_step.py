@@ -4,6 +4,7 @@ whole when the attempt fails after it; not begun where anything looks at every g
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -225,3 +226,31 @@ def test_a_gradient_accumulated_after_its_bucket_stepped_moves_the_whole_step_af
                 found.append(state(model, guard))
     assert equal(*found)
     assert len(undone) == 2 and all(undone), "each step after the first began early, and was undone"
+
+
+def test_a_shutdown_signal_in_the_backward_where_the_step_began_waits_for_the_step_to_be_counted() -> None:
+    """SIGINT arrives in the last backward after buckets stepped: the guard holds it from where the step began, as
+    it does from a step's start; the call commits its one step, counts it, and then the interrupt is raised."""
+    reference = make_model()
+    plain = make_guard(reference)
+    model = make_model()
+    guard = make_guard(model)
+    armed = [False]
+
+    def interrupt(_: torch.Tensor) -> None:
+        if armed[0]:
+            armed[0] = False
+            signal.raise_signal(signal.SIGINT)
+
+    model[0].weight.register_hook(interrupt)
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model, reference)
+        for seed in (1, 2):
+            plain(tuple_batch(seed=seed))
+        guard(tuple_batch(seed=1))
+        armed[0] = True
+        with pytest.raises(KeyboardInterrupt):
+            guard(tuple_batch(seed=2))
+        assert guard.effects.stepped_early == sum(p.numel() for p in model.parameters())
+    assert guard.summary().steps == 2, "the step was counted before the interrupt"
+    assert equal(state(model, guard), state(reference, plain))

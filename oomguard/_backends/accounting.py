@@ -57,7 +57,7 @@ from oomguard._backends.dispatch import (
     writes_and_allocates,
 )
 from oomguard._backends.hostledger import HostFigures, HostLedger
-from oomguard._backends.memory import MemorySnapshot, nbytes, pop_backend, push_backend, snapshot
+from oomguard._backends.memory import MemorySnapshot, copied, nbytes, pop_backend, push_backend, snapshot
 from oomguard._backends.units import parse_bytes
 
 __all__ = ["AccountedDevice"]
@@ -174,7 +174,7 @@ class AccountedDevice(HostFigures):
         return None
 
     def fence(self) -> Callable[[], None]:
-        return _copied  # (every copy is complete when it returns)
+        return copied  # (every copy is complete when it returns)
 
     def identity(self) -> str:
         """``"SimulatedGPU:<capacity>"``: plans remembered on one simulated size do not apply to another."""
@@ -186,10 +186,8 @@ class AccountedDevice(HostFigures):
 
     # -- fault injection and reservations ---------------------------------------------------------------
     def fail_allocation(self, n: int = 1) -> None:
-        """Make the ``n``-th device allocation from now raise an out-of-memory error, once.
-
-        ``n=1`` fails the very next allocation. Replaces any failure armed before.
-        """
+        """Make the ``n``-th device allocation from now raise an out-of-memory error, once (``n=1``: the very next
+        allocation). Replaces any failure armed before."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"fail_allocation(n) needs n >= 1 (1 = the next allocation), got {n!r}")
         self._fail_in = n
@@ -230,9 +228,8 @@ class AccountedDevice(HostFigures):
             device.copy_(host)
 
     def prefetch(self, device: torch.Tensor, host: torch.Tensor) -> Callable[[], None]:
-        """:meth:`upload` (a memcpy, complete when it returns: there is nothing to wait for after it)."""
-        self.upload(device, host)
-        return _copied
+        self.upload(device, host)  # (a memcpy, complete when it returns: nothing to wait for after it)
+        return copied
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         """Whether the tensor's storage (a wrapper subclass's: its inner tensors') is counted as device memory."""
@@ -401,7 +398,3 @@ class AccountedDevice(HostFigures):
         self, func: torch._ops.OpOverload, args: Any, out: Any, inputs: list[torch.UntypedStorage]
     ) -> set[int]:
         return host_outputs(func, args, out, inputs, self._host.keys()) if self._host.keys() else set()
-
-
-def _copied() -> None:
-    """A wait for copies that are all complete already."""

@@ -11,13 +11,12 @@ import functools
 import gc
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from oomguard._backends.host import available_host_memory, host_in_use, host_peak, pinned_empty
-from oomguard._backends.units import format_bytes
+from oomguard._backends.snapshot import MemorySnapshot
 
 __all__ = [
     "CpuMemory",
@@ -26,47 +25,12 @@ __all__ = [
     "MemorySnapshot",
     "active_simulation",
     "bf16_supported",
+    "copied",
     "copy_into",
     "current_backend",
     "pop_backend",
     "push_backend",
 ]
-
-
-@dataclass(frozen=True)
-class MemorySnapshot:
-    """Device memory figures at one moment, in bytes (``capacity`` is ``None`` where unknown), and the host memory
-    the guard holds where the backend counts it (``host_allocated``, and ``host_peak``, the most since the peaks
-    were last reset, as ``peak`` is the device's; None elsewhere: CUDA does not count it)."""
-
-    backend: str
-    allocated: int
-    reserved: int
-    peak: int
-    capacity: int | None
-    host_allocated: int | None = None
-    host_peak: int | None = None
-
-    @property
-    def host_held(self) -> int | None:
-        """The most host memory the guard held since the peaks were reset (at an attempt's start: so after a failed
-        one, what it held when it failed, which it has let go of by now); None where it is not counted."""
-        return self.host_allocated if self.host_peak is None else max(self.host_peak, self.host_allocated or 0)
-
-    @property
-    def free(self) -> int | None:
-        """Capacity not held by tensors, or ``None`` where the capacity is unknown."""
-        return None if self.capacity is None else max(0, self.capacity - self.allocated)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def describe(self) -> str:
-        """E.g. ``"60.1 MiB of 64.0 MiB in use (peak 63.9 MiB)"``."""
-        return (
-            f"{format_bytes(self.allocated)} of {format_bytes(self.capacity)} in use "
-            f"(peak {format_bytes(self.peak)}, reserved {format_bytes(self.reserved)})"
-        )
 
 
 @runtime_checkable
@@ -203,7 +167,7 @@ class CpuMemory:
 
     def prefetch(self, device: torch.Tensor, host: torch.Tensor) -> Callable[[], None]:
         self.upload(device, host)
-        return _copied
+        return copied
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return False  # on a CPU-only run there is no device memory to free by offloading
@@ -215,7 +179,7 @@ class CpuMemory:
         return None
 
     def fence(self) -> Callable[[], None]:
-        return _copied  # (copies on the CPU are complete when they return)
+        return copied  # (copies on the CPU are complete when they return)
 
     def reset_peak_memory_stats(self) -> None:
         return None
@@ -404,8 +368,9 @@ def bf16_supported(device: torch.device) -> bool:
     return True
 
 
-def _copied() -> None:
-    """A wait for copies that are all complete already."""
+def copied() -> None:
+    """A wait for copies that are all complete already (what :meth:`MemoryBackend.fence` gives where copies are
+    synchronous)."""
 
 
 def _wait_for(event: torch.cuda.Event, device: torch.device) -> None:

@@ -140,9 +140,11 @@ class Effect:
         """One micro-batch's backward is done (the last one's too, before :meth:`after_backward`): its gradients
         are in the parameters' ``.grad``, added to what the micro-batches before it left there."""
 
-    def step_early(self, host_step: HostStep, host_budget: int | None) -> None:
+    def step_early(self, host_step: HostStep, host_budget: int | None) -> bool:
         """The attempt's last backward is next, and nothing will look at every gradient before its optimizer step
-        (no clipping, no scaler, one process): the step may begin during that backward (:mod:`.early`)."""
+        (no clipping, no scaler, one process): the step may begin during that backward (:mod:`.early`). True if
+        it will."""
+        return False
 
     @property
     def stepped_early(self) -> int:

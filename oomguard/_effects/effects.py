@@ -166,11 +166,13 @@ class Effects:
         for effect in self._effects:
             effect.after_micro_batch()
 
-    def step_early(self, host_budget: int | None) -> None:
+    def step_early(self, host_budget: int | None) -> bool:
         """The last micro-batch's backward is next, and nothing looks at every gradient before the step: it may
         begin during that backward (:mod:`.early`), within ``host_budget``."""
-        for effect in self._effects:
-            effect.step_early(self.host_step, host_budget)
+        armed = False
+        for effect in self._effects:  # (every one of them told)
+            armed = effect.step_early(self.host_step, host_budget) or armed
+        return armed
 
     @property
     def stepped_early(self) -> int:

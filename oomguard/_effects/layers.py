@@ -9,7 +9,8 @@ Copies go through the memory backend's primitives only, so the same code runs on
 While one block computes, the next one in the pass's direction (block k+1 in forward, k-1 in backward, checkpoint
 recomputes included) is brought in beside it (:meth:`~oomguard._backends.memory.MemoryBackend.prefetch`: on CUDA
 on the copy stream, the compute waiting only when it reaches that block), so that the link works while the device
-does: at most two offloaded blocks are resident at once, where one was.
+does: at most two offloaded blocks are resident at once, where one was; so only where at least
+:data:`PREFETCH_FROM` blocks are offloaded.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ from oomguard._effects.recast import Recasts
 from oomguard._errors import GuardConfigError
 from oomguard._ladder.plan import Plan
 
-__all__ = ["LayerOffloadEffect", "LayerOffloader"]
+__all__ = ["PREFETCH_FROM", "LayerOffloadEffect", "LayerOffloader"]
+
+#: How many blocks must be offloaded for the next one to come in while one computes: with ``n`` offloaded, two are
+#: resident at once, so streaming relieves ``n - 1`` blocks' weights where it relieved ``n``; from 3 on it keeps at
+#: least two thirds of that (with 2, half: the ladder's second level would gain nothing on its first).
+PREFETCH_FROM = 3
 
 
 @dataclass(eq=False)
@@ -165,7 +171,7 @@ class LayerOffloader:
             wait()
         index = self.blocks.index(block)
         following = index - 1 if torch._C._current_graph_task_id() != -1 else index + 1  # (backward: the one before)
-        if self.prefetch and 0 <= following < len(self.blocks):
+        if self.prefetch and len(self.blocks) >= PREFETCH_FROM and 0 <= following < len(self.blocks):
             self._bring(self.blocks[following], prefetch=True)
 
     def _bring(self, block: _Block, prefetch: bool) -> None:

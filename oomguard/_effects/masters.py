@@ -169,13 +169,14 @@ class MasterWeights:
         param.grad = None  # (the device memory lives until the copy has read it)
         self.early.ready(weight, self._descent)
 
-    def step_early(self, host_step: HostStep, budget: int | None) -> None:
+    def step_early(self, host_step: HostStep, budget: int | None) -> bool:
         """The last backward of an attempt whose step nothing else looks at first is next: each bucket of weights
         may step as backward completes it (:mod:`.early`); writes on the device committed first."""
         weights, optimizer, backend = list(self._weights.values()), self.target.torch_optimizer, self._backend
-        if weights and backend is not None and not self._swapped and self.early.possible(weights, optimizer):
-            self.sync()
-            self.early.arm(weights, optimizer, host_step, backend, self.ascent, budget)
+        if not weights or backend is None or self._swapped or not self.early.possible(weights, optimizer):
+            return False
+        self.sync()
+        return self.early.arm(weights, optimizer, host_step, backend, self.ascent, budget)
 
     def after_micro_batch(self) -> None:
         """Each halved weight's gradient of this micro-batch added to its fp32 sum on the host (sent down first

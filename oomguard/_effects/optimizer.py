@@ -115,8 +115,8 @@ class OptimizerOffloadEffect(Effect):
     def after_micro_batch(self) -> None:
         self._level.after_micro_batch()
 
-    def step_early(self, host_step: HostStep, host_budget: int | None) -> None:
-        self._level.step_early(host_step, host_budget)
+    def step_early(self, host_step: HostStep, host_budget: int | None) -> bool:
+        return self._level.step_early(host_step, host_budget)
 
     @property
     def stepped_early(self) -> int:

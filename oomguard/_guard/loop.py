@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, NoReturn, Protocol, TypeVar
 
 import torch
@@ -40,7 +40,7 @@ from oomguard._guard.recovery import (
 from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Plan
 from oomguard._step.outcome import AttemptFailure
-from oomguard._step.runner import StepRunner
+from oomguard._step.runner import StepRunner, nothing
 
 __all__ = ["Attempt", "Loop"]
 
@@ -113,9 +113,10 @@ class Loop:
         any dry run) or the call gives up: it puts back what the failed attempt added to the caller's records."""
         while True:
             started = time.perf_counter()
-            outcome: Any = attempt.gradients(call.plan)
-            if not isinstance(outcome, AttemptFailure):
-                with self.committing():
+            with self.attempting() as hold:
+                outcome: Any = attempt.gradients(call.plan)
+                if not isinstance(outcome, AttemptFailure):
+                    hold()
                     outcome = attempt.commit(outcome)
                     if not isinstance(outcome, AttemptFailure):
                         return done(call, outcome)
@@ -131,11 +132,30 @@ class Loop:
     @contextmanager
     def committing(self) -> Iterator[None]:
         """Shutdown signals held from a step until it is counted (or undone), then delivered."""
-        try:
-            with self.interrupts.held():
-                yield
-        finally:
-            self.interrupts.deliver()
+        with self.attempting() as hold:
+            hold()
+            yield
+
+    @contextmanager
+    def attempting(self) -> Iterator[Callable[[], None]]:
+        """Around an attempt: what it yields holds shutdown signals from there until the attempt ends (its step
+        counted, or undone), when they are delivered. The runner calls it where the step begins before the last
+        backward ends (``StepRunner.step_begins``: the master level's host step), the loop where the step does."""
+        holding: list[bool] = []
+        with ExitStack() as stack:
+
+            def hold() -> None:
+                if not holding:
+                    holding.append(True)
+                    stack.enter_context(self.interrupts.held())
+
+            self.runner.step_begins = hold
+            try:
+                yield hold
+            finally:
+                self.runner.step_begins = nothing
+                stack.close()  # (the handlers back in place before they act on what they noted)
+                self.interrupts.deliver()
 
     def _kept(self, call: Call, failed: AttemptFailure, seconds: float, agreement: Agreement | None) -> Failure:
         """What the loop keeps of a failed attempt: a summary, and the error without its frames. Raises the error

@@ -9,7 +9,9 @@ passed to every micro-batch as they are. Splitting keeps the container types, so
 
 from __future__ import annotations
 
+import logging
 import math
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -25,9 +27,11 @@ __all__ = [
     "default_item_counter",
     "items_per_sample",
     "split_batch",
+    "warn_if_batch_statistics",
 ]
 
 B = TypeVar("B")
+logger = logging.getLogger("oomguard")
 
 IGNORE_INDEX = -100  # the label value transformers (and torch's cross-entropy) leave out of the loss
 
@@ -287,3 +291,36 @@ def items_per_sample(batch: Any, size: int) -> float:
     """Elements of the largest tensor per sample (tokens per sequence for a language model): what a
     micro-batch's activations scale with."""
     return _largest_numel(batch) / max(1, size)
+
+
+#: Models already looked at for layers that micro-batches change (once per model, planner included: not a walk of
+#: every module on every split step).
+_CHECKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def warn_if_batch_statistics(model: torch.nn.Module, micro: int) -> None:
+    """Say once per model that its BatchNorm layers in training mode see micro-batches, not the batch.
+
+    Every other layer computes each sample on its own, so micro-batches with exact accumulation give the whole
+    batch's gradients; a BatchNorm layer normalises by the statistics of the samples it is given (and updates its
+    running estimates from them), so the step is no longer the whole batch's, by an amount no one can bound here.
+    """
+    if model in _CHECKED:
+        return
+    _CHECKED.add(model)
+    norms = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training
+    ]
+    if not norms:
+        return
+    shown = ", ".join(norms[:3]) + (f" and {len(norms) - 3} more" if len(norms) > 3 else "")
+    logger.warning(
+        "micro-batches of %d: the model's BatchNorm layers in training mode (%s) now normalise by each micro-batch's "
+        "statistics and update their running estimates from them, so a step is no longer exactly the whole "
+        "batch's. If that matters, leave micro_batch off the ladder (ladder=[...] without it) or set its floor "
+        "(oomguard.MicroBatch(min_size=...)), or use GroupNorm/LayerNorm, which micro-batching does not change.",
+        micro,
+        shown,
+    )

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import weakref
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -27,17 +26,14 @@ from oomguard._effects.effects import Effects
 from oomguard._effects.transaction import OptimizerTransaction, Scheduler
 from oomguard._errors import LossError, NonFiniteLoss, OOMGuardError
 from oomguard._ladder.plan import Phase, Plan
-from oomguard._step.batch import count_items, split_batch
+from oomguard._step.batch import count_items, split_batch, warn_if_batch_statistics
 from oomguard._step.loss import loss_of, loss_value, non_finite, value_of
 from oomguard._step.outcome import AttemptFailure, AttemptOutput, Progress
 from oomguard._step.outside import OutsideLeaves, Saved
 
 logger = logging.getLogger("oomguard")
-#: Models already looked at for layers that micro-batches change (once per model, planner included: not a walk of
-#: every module on every split step).
-_CHECKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
-__all__ = ["AttemptFailure", "AttemptOutput", "Gradients", "StepRunner", "loss_of", "outcome_of"]
+__all__ = ["AttemptFailure", "AttemptOutput", "Gradients", "StepRunner", "loss_of", "nothing", "outcome_of"]
 
 Reduction = Literal["mean", "sum"]
 
@@ -102,6 +98,9 @@ class StepRunner:
         #: Bytes of the gradients of every trainable parameter: the part of a step's peak that micro-batching keeps.
         self.grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         self.progress = Progress()  # (a fresh one per attempt)
+        #: Called where the attempt's optimizer step begins before its last backward ends (the master level's host
+        #: step, :mod:`oomguard._effects.early`): the loop holds shutdown signals from there, as from the step.
+        self.step_begins: Callable[[], None] = nothing
 
     def zero_grad(self) -> None:
         """Drop every gradient (set to None, so their memory is freed)."""
@@ -112,7 +111,7 @@ class StepRunner:
         size, micro = job.size, job.plan.effective_micro_batch_size(job.size)
         if micro >= size:  # (a mapping of its own: a step that pops its labels leaves them for the next attempt)
             return [copy.copy(job.batch) if isinstance(job.batch, MutableMapping) else job.batch], [1.0]
-        _warn_if_batch_statistics(self.model, micro)
+        warn_if_batch_statistics(self.model, micro)
         parts = split_batch(job.batch, micro)
         if job.reduction == "sum":
             return parts, [1.0] * len(parts)
@@ -296,8 +295,8 @@ class StepRunner:
             if weight == 0.0:  # no counted item: it contributes exactly nothing (and its mean is NaN)
                 continue
             self.progress.phase, self.progress.micro_batch = Phase.FORWARD, index
-            if index == last and self._steps_alone(job):  # (before the forward: with nothing of it resident)
-                self.effects.step_early(self.transaction.host_budget)
+            # (Before the forward, with nothing of it resident: the step may begin in this backward.)
+            early = index == last and self._steps_alone(job) and self.effects.step_early(self.transaction.host_budget)
             if self.agreement is not None:
                 self.agreement.micro_batch(last=index == last)
             with self.effects.forward(plan, backend):
@@ -306,6 +305,8 @@ class StepRunner:
                 self._refuse_a_backward_of_its_own()
                 self._outside_grads = self._outside.keep(loss, job.batch)
             self.progress.phase = Phase.BACKWARD
+            if early:
+                self.step_begins()  # (the loop holds shutdown signals from here: see the attribute)
             weighted = loss if weight == 1.0 else loss * weight
             self._backward(scaler.scale(weighted) if scaler is not None else weighted)
             self.effects.after_micro_batch()  # (still the backward phase: what it moves is per micro-batch)
@@ -368,33 +369,9 @@ def outcome_of(exc: BaseException, backend: MemoryBackend) -> Outcome:
     return failure_outcome(exc, backend.offloads)
 
 
+def nothing() -> None:
+    """What the runner calls where nothing listens."""
+
+
 def _part_sizes(size: int, micro: int) -> list[int]:
     return [min(micro, size - start) for start in range(0, size, micro)]
-
-
-def _warn_if_batch_statistics(model: torch.nn.Module, micro: int) -> None:
-    """Say once per model that its BatchNorm layers in training mode see micro-batches, not the batch.
-
-    Every other layer computes each sample on its own, so micro-batches with exact accumulation give the whole
-    batch's gradients; a BatchNorm layer normalises by the statistics of the samples it is given (and updates its
-    running estimates from them), so the step is no longer the whole batch's, by an amount no one can bound here.
-    """
-    if model in _CHECKED:
-        return
-    _CHECKED.add(model)
-    norms = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training
-    ]
-    if not norms:
-        return
-    shown = ", ".join(norms[:3]) + (f" and {len(norms) - 3} more" if len(norms) > 3 else "")
-    logger.warning(
-        "micro-batches of %d: the model's BatchNorm layers in training mode (%s) now normalise by each micro-batch's "
-        "statistics and update their running estimates from them, so a step is no longer exactly the whole "
-        "batch's. If that matters, leave micro_batch off the ladder (ladder=[...] without it) or set its floor "
-        "(oomguard.MicroBatch(min_size=...)), or use GroupNorm/LayerNorm, which micro-batching does not change.",
-        micro,
-        shown,
-    )
