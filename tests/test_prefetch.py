@@ -14,7 +14,6 @@ from helpers.models import make_llama
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import OOMGuard, Plan
-from oomguard._effects.layers import LayerOffloader
 from oomguard._planner.engine import dry_run
 from oomguard._planner.speed import DeviceSpeed
 from oomguard.testing import SimulatedGPU
@@ -27,7 +26,7 @@ def trained(prefetch: bool, monkeypatch: pytest.MonkeyPatch, events: list[Any] |
     """A 4-layer Llama with every layer streamed, two steps; its weights and the second step's peak. ``events``
     gets ("prefetch", layer) for each weight prefetched and ("forward"/"backward", layer) as each layer's compute
     begins (after the guard's own hooks)."""
-    monkeypatch.setattr(LayerOffloader, "prefetch", prefetch)
+    monkeypatch.setattr("oomguard._effects.layers.PREFETCH_FROM", 3 if prefetch else 1000)
     model = make_llama(layers=4, hidden=64)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     guard = OOMGuard(lambda batch: model(**batch), model=model, optimizer=optimizer, ladder=[])
@@ -80,7 +79,7 @@ def test_the_planner_counts_the_prefetched_blocks_beside_the_compute_on_cuda(mon
     slow = DeviceSpeed(gpu_tflops=1e-4, link_gbps=0.05)  # (compute long enough to hide copies, copies that matter)
 
     def candidate(prefetch: bool) -> Any:
-        monkeypatch.setattr(LayerOffloader, "prefetch", prefetch)
+        monkeypatch.setattr("oomguard._effects.layers.PREFETCH_FROM", 3 if prefetch else 1000)
         with FakeTensorMode():
             model = make_llama(layers=4, hidden=64)
             report = dry_run(

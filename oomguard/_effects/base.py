@@ -40,6 +40,9 @@ class EffectTarget:
     #: What activation offload's saved tensors hold on the host, and the host budget their copies keep (the guard
     #: sets it; its per-sample figure is what the activation-offload rung estimates from).
     activation_host: ActivationLedger = field(default_factory=ActivationLedger)
+    #: From how many offloaded blocks layer offload brings the next block in while one computes (None: from
+    #: :data:`oomguard._effects.layers.PREFETCH_FROM`; the planner's shallow copies of a deep model set the deep one's).
+    prefetch_from: int | None = None
     #: Where the model trains, read once: layer offload later points parameters at host copies.
     device: torch.device = field(init=False)
     device_type: str = field(init=False)  # ("cuda", "cpu"...)

@@ -72,13 +72,11 @@ class LayerOffloader:
     steps the parameters *are* the host copies, so ``optimizer.step()`` (and its state) runs on the host.
     """
 
-    #: Whether the next block of a pass comes in while the current one computes (see the module).
-    prefetch = True
-
     def __init__(self, optimizer: torch.optim.Optimizer, backend: MemoryBackend) -> None:
         self.backend = backend
         self.optimizer = optimizer
         self.blocks: list[_Block] = []
+        self.prefetch_from = PREFETCH_FROM  # (see the module; the effect sets its target's at each apply)
         self.streamed: set[int] = set()  # ids of every streamed parameter
 
     def device_storages(self) -> set[int]:
@@ -171,7 +169,7 @@ class LayerOffloader:
             wait()
         index = self.blocks.index(block)
         following = index - 1 if torch._C._current_graph_task_id() != -1 else index + 1  # (backward: the one before)
-        if self.prefetch and len(self.blocks) >= PREFETCH_FROM and 0 <= following < len(self.blocks):
+        if len(self.blocks) >= self.prefetch_from and 0 <= following < len(self.blocks):
             self._bring(self.blocks[following], prefetch=True)
 
     def _bring(self, block: _Block, prefetch: bool) -> None:
@@ -316,6 +314,9 @@ class LayerOffloadEffect(Effect):
         if self._layers is None and plan.offload_layers:
             self._layers = LayerOffloader(self.target.optimizer, backend)
         layers = self._layers
+        if layers is not None:
+            ahead = self.target.prefetch_from
+            layers.prefetch_from = PREFETCH_FROM if ahead is None else ahead
         if layers is None or plan.offload_layers == len(layers.blocks):
             return False
         try:

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from oomguard._effects.layers import PREFETCH_FROM
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._planner.reads import DryRunLimit
 from oomguard._planner.report import Candidate
@@ -154,7 +155,7 @@ class Composed:
         self.composed: list[Candidate] = []
         self.failed: str | None = None
         self.refuted = False  # every composed plan that fitted did not in full: the dry run measured all in full
-        self._traces: dict[tuple[Plan, int], Trace] = {}
+        self._traces: dict[tuple[Plan, int, int], Trace] = {}
 
     @property
     def steps(self) -> int:
@@ -164,7 +165,9 @@ class Composed:
     def measure(self, plan: Plan) -> tuple[Candidate, int]:
         if self.failed is None:
             try:
-                traces = [(self._trace(shallow, n), weight) for shallow, n, weight in points(plan, self.blocks)]
+                # (Layer offload's prefetching as on the deep model: from two streamed blocks on, or never.)
+                ahead = 2 if plan.offload_layers >= PREFETCH_FROM else self.blocks + 1
+                traces = [(self._trace(shallow, n, ahead), weight) for shallow, n, weight in points(plan, self.blocks)]
             except DryRunLimit:
                 raise
             except Exception as error:  # a model that does not run with fewer blocks (indexed by a count, say)
@@ -176,12 +179,14 @@ class Composed:
                 return self.composed[-1], trace.base
         return self.deep.measure(plan)
 
-    def _trace(self, plan: Plan, blocks: int) -> Trace:
+    def _trace(self, plan: Plan, blocks: int, prefetch_from: int) -> Trace:
         """The shallow step, run once: plans that differ only in how many of the deep model's blocks they stream
         share their shallow steps (a walk down layer offload's levels costs its first level's)."""
-        if (plan, blocks) not in self._traces:
-            self._traces[plan, blocks] = self._bench(blocks).trace(plan)
-        return self._traces[plan, blocks]
+        if (plan, blocks, prefetch_from) not in self._traces:
+            bench = self._bench(blocks)
+            bench.runner.effects.target.prefetch_from = prefetch_from
+            self._traces[plan, blocks, prefetch_from] = bench.trace(plan)
+        return self._traces[plan, blocks, prefetch_from]
 
     def _bench(self, blocks: int) -> Any:
         if blocks not in self.benches:
