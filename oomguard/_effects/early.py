@@ -27,6 +27,7 @@ runs after backward.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -74,6 +75,7 @@ class EarlyStep:
         self._optimizer: torch.optim.Optimizer | None = None  # set while armed, with the two below
         self._backend: MemoryBackend | None = None
         self._ascent: Ascent | None = None
+        self._stream: torch.cuda.Stream | None = None  # the caller's CUDA stream, where the uploads go
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future[None]] = []
         self._copies: dict[int, torch.Tensor] = {}  # the journal's host buffers, by tensor identity (kept)
@@ -125,6 +127,8 @@ class EarlyStep:
                 entry = _Bucket(chosen, group, fused, {id(w) for w in chosen})
                 self._buckets.update({id(w): entry for w in chosen})
         self._optimizer, self._backend, self._ascent = optimizer, backend, ascent
+        device = weights[0].param.device  # (the host thread's uploads go on the caller's stream, as the step's do)
+        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         return True
 
     def _kept(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -166,7 +170,8 @@ class EarlyStep:
             self._journal.append((tensor, self._copies[id(tensor)].copy_(tensor)))
         with torch.no_grad():
             _adam(optimizer, bucket.group, bucket.weights, bucket.fused)
-        ascent.send(bucket.weights, backend, in_step=False)
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            ascent.send(bucket.weights, backend, in_step=False)
         self.elements += sum(w.master.numel() for w in bucket.weights)
 
     def wait(self) -> None:
