@@ -128,7 +128,8 @@ class EarlyStep:
                 self._buckets.update({id(w): entry for w in chosen})
         self._optimizer, self._backend, self._ascent = optimizer, backend, ascent
         device = weights[0].param.device  # (the host thread's uploads go on the caller's stream, as the step's do)
-        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda" and not is_fake(weights[0].master)
+        self._stream = torch.cuda.current_stream(device) if cuda else None
         return True
 
     def _kept(self, tensor: torch.Tensor) -> torch.Tensor:
