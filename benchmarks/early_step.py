@@ -16,15 +16,12 @@ per-round ratios (begun during backward / after).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from _mlp import guarded_mlp
+from _mlp import guarded_mlp, interleaved, ratio, report
 
 from oomguard import Plan
 from oomguard.testing import SimulatedGPU
@@ -40,26 +37,11 @@ def measure(width: int, layers: int, batch_size: int, rounds: int) -> dict[str, 
             guard, model = guarded_mlp(MASTER, width, layers, step_journal="auto" if name == "early" else "never")
             gpu.adopt(model)
             guards[name] = guard
-        seconds: dict[str, list[float]] = {name: [] for name in guards}
-        for index in range(rounds + 3):  # (3 warm-up rounds: the plan applied, the state made)
-            order = list(guards) if index % 2 == 0 else list(reversed(guards))
-            for name in order:
-                started = time.perf_counter()
-                guards[name](batch)
-                if index >= 3:
-                    seconds[name].append(time.perf_counter() - started)
+        seconds = interleaved(guards, batch, rounds)
         stepped = guards["early"].effects.stepped_early  # (elements of the last step stepped during backward)
         for guard in guards.values():
             guard.close()
-    ratios = [early / after for early, after in zip(seconds["early"], seconds["after"], strict=True)]
-    return {
-        "early_seconds": statistics.median(seconds["early"]),
-        "after_seconds": statistics.median(seconds["after"]),
-        "median_ratio": statistics.median(ratios),
-        "ratio_range": [min(ratios), max(ratios)],
-        "stepped_early": stepped,
-        "parameters": width * width * layers,
-    }
+    return {**ratio(seconds, "early", "after"), "stepped_early": stepped, "parameters": width * width * layers}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,12 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    result = measure(args.width, args.layers, args.batch, args.rounds)
-    for key, value in result.items():
-        print(f"{key}: {value}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    return 0
+    return report(measure(args.width, args.layers, args.batch, args.rounds), args.json)
 
 
 if __name__ == "__main__":

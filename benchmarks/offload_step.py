@@ -13,15 +13,12 @@ least.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from _mlp import guarded_mlp
+from _mlp import guarded_mlp, interleaved, ratio, report
 
 from oomguard import Plan
 from oomguard.testing import SimulatedGPU
@@ -36,25 +33,11 @@ def measure(width: int, layers: int, rounds: int) -> dict[str, Any]:
         for name, plan in PLANS.items():
             guard, model = guarded_mlp(plan, width, layers)
             gpu.adopt(model)
-            for _ in range(3):  # (warm-up: the first step on a plan applies it and journals)
-                guard(batch)
             guards[name] = guard
-        seconds: dict[str, list[float]] = {name: [] for name in guards}
-        for index in range(rounds):
-            order = list(guards) if index % 2 == 0 else list(reversed(guards))
-            for name in order:
-                started = time.perf_counter()
-                guards[name](batch)
-                seconds[name].append(time.perf_counter() - started)
+        seconds = interleaved(guards, batch, rounds)
         for guard in guards.values():
             guard.close()
-    ratios = [off / on for off, on in zip(seconds["optimizer_offload"], seconds["device"], strict=True)]
-    return {
-        "device_seconds": statistics.median(seconds["device"]),
-        "offload_seconds": statistics.median(seconds["optimizer_offload"]),
-        "median_ratio": statistics.median(ratios),
-        "ratio_range": [min(ratios), max(ratios)],
-    }
+    return ratio({"offload": seconds["optimizer_offload"], "device": seconds["device"]}, "offload", "device")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,12 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = measure(args.width, args.layers, args.rounds)
-    for key, value in result.items():
-        print(f"{key}: {value}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    return 0
+    return report(measure(args.width, args.layers, args.rounds), args.json)
 
 
 if __name__ == "__main__":
