@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from oomguard._effects.elision import Repeat, eliding
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._planner.compose import Trace
 from oomguard._planner.probe import Probe
@@ -107,7 +108,7 @@ class StepBench:
             self.runner.transaction.release_host_copies()  # (the journal's copies are added by judge)
             base = probe.start()
             batch = two_micro_batches(self.batch, plan, self.size)
-            with FlopCount() as counted:
+            with FlopCount() as counted, eliding(_repeating(counted)):
                 self.run(batch, plan)
         run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
         return Trace(
@@ -156,6 +157,21 @@ class StepBench:
             return sum(p.numel() for g in target.optimizer.param_groups for p in g["params"] if p.requires_grad)
         blocks = target.blocks[: plan.offload_layers]
         return sum(p.numel() for block in blocks for p in block.parameters() if p.requires_grad)
+
+
+def _repeating(counted: FlopCount) -> Repeat:
+    """What counts a repetition an effect ran once for ``times`` (:mod:`oomguard._effects.elision`): the operations
+    and FLOPs it dispatched, ``times`` over. Its memory needs nothing: the repetitions not run would have allocated
+    and freed the same."""
+
+    @contextlib.contextmanager
+    def repeat(times: int) -> Iterator[None]:
+        flops, ops = counted.total, counted.ops
+        yield
+        counted.total += (counted.total - flops) * (times - 1)
+        counted.ops += (counted.ops - ops) * (times - 1)
+
+    return repeat
 
 
 def _phase_of(runner: StepRunner) -> Callable[[], Phase]:
