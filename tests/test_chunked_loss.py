@@ -6,6 +6,7 @@ ran (the logits the model returned were never computed), so a silent fallback to
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -440,6 +441,43 @@ def test_the_planners_fake_run_sees_every_allocation_the_simulator_counts() -> N
     with faked as (_, fake_batch), AccountedDevice(2**62, name="planner") as probe:  # the planner's accounting
         fake = _forward_backward_peak(probe, model, fake_batch)
     assert fake == real  # the chunks' logits and softmax are ordinary ops: priced as they are allocated
+
+
+def _fake_step_counts(elide: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int, int, int, int]:
+    """The planner's fake forward and backward of an 8-chunk loss (16 rows a chunk, the last one shorter): its
+    peak, the FLOPs and operations counted, the operations dispatched and the chunks run; with repetitions elided
+    or not."""
+    from oomguard._backends.accounting import AccountedDevice
+    from oomguard._effects import chunked_ce
+    from oomguard._effects.elision import eliding
+    from oomguard._planner.bench import _repeating
+    from oomguard._planner.fakes import _faked
+    from oomguard._planner.speed import FlopCount
+
+    chunks: list[int] = []
+    one_chunk = chunked_ce._chunk
+    monkeypatch.setattr(chunked_ce, "_chunk", lambda *args: chunks.append(1) or one_chunk(*args))
+    model = qwen2(vocab=8192, hidden=32)
+    chunked(model, chunk_bytes=4 * 8192 * 16)
+    faked = _faked(model, torch.optim.AdamW(model.parameters()), ragged(lengths=(64, 40), seq=64, vocab=8192), False)
+    counted, dispatched = FlopCount(), FlopCount()  # (the second entered first: it sees what is dispatched)
+    repeats = eliding(_repeating(counted)) if elide else contextlib.nullcontext()
+    with faked as (_, batch), AccountedDevice(2**62, name="planner") as probe, dispatched, counted, repeats:
+        peak = _forward_backward_peak(probe, model, batch)
+    return peak, counted.total, counted.ops, dispatched.ops, len(chunks)
+
+
+def test_a_dry_run_runs_three_chunks_for_many_and_measures_what_every_chunk_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the planner elides repetitions, the loss on fake tensors runs its first chunk, its second (counted for
+    every chunk up to the last) and its last: the same peak as every chunk run (and as the simulator's, the test
+    above), the same FLOPs and operations counted, far fewer operations dispatched (a fake step's cost)."""
+    peak, flops, ops, dispatched, chunks = _fake_step_counts(True, monkeypatch)
+    every = _fake_step_counts(False, monkeypatch)
+    assert (peak, flops, ops) == every[:3]
+    assert (chunks, every[4]) == (3, 8)
+    assert every[3] == every[2] and dispatched < every[3]
 
 
 def test_an_oom_at_any_allocation_of_the_chunked_loss_leaves_nothing_behind() -> None:

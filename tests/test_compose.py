@@ -110,6 +110,73 @@ def test_the_plan_recommended_is_confirmed_by_a_full_step() -> None:
     assert report.chosen == exact[1]  # every figure: a full step's, not the composition's
 
 
+def _with_unused(layers: int) -> torch.nn.Module:
+    """A Llama with a parameter its step never uses (no gradient: no optimizer state in any step)."""
+    model = make_llama(layers=layers, hidden=32)
+    model.register_parameter("unused", torch.nn.Parameter(torch.zeros(4096)))
+    return model
+
+
+@pytest.mark.parametrize(("make", "warm_ups"), [(lambda n: make_llama(layers=n, hidden=32), 0), (_with_unused, 1)])
+def test_the_deep_models_warm_up_is_an_optimizer_step_alone_where_the_copies_stepped_every_parameter(
+    make: Any, warm_ups: int
+) -> None:
+    """The deep model's warm-up only makes its optimizer state: where the shallow copies' steps made state for every
+    parameter, an optimizer step on zero gradients makes the same, without a forward of the deep model; where a
+    parameter gets no gradient (and no state, which zero gradients would make), the warm-up is a whole step. Either
+    way the confirmed figures are the exact path's."""
+    plans = [Plan(), Plan(precision="bf16")]
+    exact = measure(make, plans, composed=False)
+    forwards: list[int] = []
+    with FakeTensorMode():
+
+        def build(layers: int) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
+            model = make(layers)
+            if layers == LAYERS:
+                model.register_forward_pre_hook(lambda *_: forwards.append(1))
+            return (lambda b: model(**b)), model, torch.optim.AdamW(model.parameters(), foreach=True)
+
+        step, model, optimizer = build(LAYERS)
+        report = dry_run(
+            step, lm_batch(4, 32), model=model, optimizer=optimizer, capacity=2**40, target="cuda",
+            label="llama", plans=plans, shallow=build,
+        )  # fmt: skip
+    assert report.composed and len(forwards) == 1 + warm_ups, "the confirming step's forward, and the warm-up's"
+    assert report.chosen == next(c for c in exact if c.plan == report.recommended)
+
+
+def test_a_guards_dry_run_after_real_steps_warms_up_with_the_optimizer_step_alone() -> None:
+    """The guard's tuning and later jumps plan a model whose real steps made optimizer state for every parameter:
+    the dry run's warm-up is then the optimizer step alone (one forward fewer), with the same figures; before the
+    first real step, or with a parameter that gets no gradient, a whole step."""
+    model = _with_unused(2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    assert not fakes.stepped_every_parameter(optimizer)  # (no state before the first step)
+    model(**lm_batch(2, 8)).loss.backward()
+    optimizer.step()
+    assert not fakes.stepped_every_parameter(optimizer), "the unused parameter has no state"
+    del model.unused
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(**lm_batch(2, 8)).loss.backward()
+    optimizer.step()
+    assert fakes.stepped_every_parameter(optimizer)
+
+    def planned(warm_up_alone: bool) -> tuple[list[Candidate], int]:
+        forwards: list[int] = []
+        with FakeTensorMode():
+            model = make_llama(layers=2, hidden=32)
+            model.register_forward_pre_hook(lambda *_: forwards.append(1))
+            report = dry_run(
+                lambda b: model(**b), lm_batch(4, 32), model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                capacity=2**40, target="simulated", label="llama", plans=[Plan(), Plan(micro_batch_size=2)],
+                every_parameter_steps=warm_up_alone,
+            )  # fmt: skip
+        return list(report.candidates), len(forwards)
+
+    (alone, fewer), (whole, more) = planned(True), planned(False)
+    assert alone == whole and (fewer, more) == (3, 4), "1 + 2 micro-batches measured, and the warm-up's forward"
+
+
 def test_points_weigh_resident_and_streamed_blocks_and_pairs_for_partial_checkpointing() -> None:
     for blocks in (6, 7, 22):
         for given in (Plan(), Plan(offload_layers=blocks), Plan(offload_layers=2), Plan(checkpointing="partial")):

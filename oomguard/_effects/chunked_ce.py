@@ -25,13 +25,17 @@ under ``FakeTensorMode``) and does not serve, for two reasons:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.nn import functional
 
+from oomguard._effects.elision import elided
 from oomguard._effects.lazy_logits import Step
 
 __all__ = ["ChunkSpec", "chunk_rows", "chunked_cross_entropy", "needs_of"]
@@ -100,19 +104,20 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) if need_b else None
         with torch.autocast(x.device.type, enabled=False):  # casts are explicit here; backward has no autocast
-            for start in range(0, x.shape[0], spec.rows):
+            for start, standing_for in _runs(x, spec.rows):
                 rows = slice(start, start + spec.rows)
-                xc = x[rows].to(spec.dtype)
-                loss, grad_logits = _chunk(xc, w, b, target[rows], spec)
-                total += loss
-                if grad_logits is None:
-                    continue
-                if grad_x is not None:
-                    grad_x[rows] = grad_logits @ w  # cast to x's dtype by the copy, as autocast's cast backward does
-                if grad_w is not None:
-                    _accumulate(grad_w, grad_logits.t(), xc)
-                if grad_b is not None:
-                    grad_b += grad_logits.sum(0, dtype=torch.float32)
+                with standing_for:
+                    xc = x[rows].to(spec.dtype)
+                    loss, grad_logits = _chunk(xc, w, b, target[rows], spec)
+                    total += loss
+                    if grad_logits is None:
+                        continue
+                    if grad_x is not None:
+                        grad_x[rows] = grad_logits @ w  # cast to x's dtype by the copy, as autocast's backward does
+                    if grad_w is not None:
+                        _accumulate(grad_w, grad_logits.t(), xc)
+                    if grad_b is not None:
+                        grad_b += grad_logits.sum(0, dtype=torch.float32)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.save_for_backward(grad_x, grad_w, grad_b)
         return total
@@ -124,6 +129,23 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grads: Sequence[torch.Tensor | None] = ctx.saved_tensors
         out = [None if g is None else g.mul_(grad_total).to(dtype) for g, dtype in zip(grads, ctx.dtypes, strict=True)]
         return (*out, None, None)
+
+
+def _runs(x: torch.Tensor, rows: int) -> list[tuple[int, AbstractContextManager[None]]]:
+    """The first row of each chunk run, and the context it runs in: every chunk, each by itself; but on fake tensors
+    while a dry run elides repetitions (:mod:`oomguard._effects.elision`), only the first chunk, the second standing
+    for every one up to the last, and the last. Those are all the situations a chunk meets: the first runs with no
+    chunk before it, every later one beside the previous chunk's gradient of its logits (still held while the next
+    is computed), and the last maybe on fewer rows; each frees what it made, so their memory is the same."""
+    starts = list(range(0, x.shape[0], rows))
+    repeat = elided()
+    if repeat is None or len(starts) < 4 or not is_fake(x):
+        return [(start, contextlib.nullcontext()) for start in starts]
+    return [
+        (starts[0], contextlib.nullcontext()),
+        (starts[1], repeat(len(starts) - 2)),
+        (starts[-1], contextlib.nullcontext()),
+    ]
 
 
 def _chunk(

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from oomguard._effects.elision import Repeat, eliding
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._planner.compose import Trace
 from oomguard._planner.probe import Probe
@@ -44,6 +45,9 @@ class StepBench:
         self.candidates: list[Candidate] = []
         self.steps = 0  # fake steps run
         self.warmed = self._active = False
+        #: Whether the warm-up may be an optimizer step alone: where the step leaves no parameter the optimizer trains
+        #: without a gradient (which a whole step would make no state for), as a deep model's shallow copies tell.
+        self.every_parameter_steps = False
         self.around: Callable[[], contextlib.AbstractContextManager[None]] | None = None  # (ShallowModel.around)
 
     @contextlib.contextmanager
@@ -62,12 +66,39 @@ class StepBench:
     def warm(self) -> None:
         """Before the first step measured: the model and the batch on the device (again: another bench's effects
         may have replaced a tensor's storage, where they share it), and a one-sample warm-up step, which creates
-        the optimizer state."""
+        the optimizer state; or, where :attr:`every_parameter_steps`, just the optimizer step of one."""
         if not self.warmed:
             self.warmed = True
             with self._own_model():
                 self.probe.adopt(self.runner.model, tensors_of_batch(self.batch))
-                self.run(split_batch(self.batch, 1)[0], Plan())
+                if self.every_parameter_steps:
+                    self._optimizer_warm_up()
+                else:
+                    self.run(split_batch(self.batch, 1)[0], Plan())
+
+    def stepped_every_parameter(self) -> bool:
+        """Whether the steps run so far made optimizer state for every parameter the optimizer trains (none that
+        the step leaves without a gradient)."""
+        optimizer = self.runner.optimizer
+        trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        return self.warmed and all(optimizer.state.get(p) for p in trained)
+
+    def _optimizer_warm_up(self) -> None:
+        """The warm-up step's optimizer step, on zero gradients of every parameter it trains, through the runner's
+        one way to step: the same optimizer state as a whole warm-up step makes, without its forward and backward
+        (a fake step costs per operation: a deep model's warm-up costs a full step's dispatches)."""
+        optimizer = self.runner.optimizer
+        trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self.steps += 1
+        with self.active():
+            try:
+                for parameter in trained:
+                    parameter.grad = torch.zeros_like(parameter)
+                self.runner.optimizer_step(Plan(), self.probe)
+            finally:
+                self.runner.zero_grad()
+                for parameter in trained:
+                    parameter.grad = None
 
     @contextlib.contextmanager
     def _own_model(self) -> Iterator[None]:
@@ -108,7 +139,7 @@ class StepBench:
             base = probe.start()
             batch = two_micro_batches(self.batch, plan, self.size)
             last = _last_backward(self.runner, plan.micro_batches(batch_size(batch)) - 1)
-            with FlopCount(window=last) as counted:
+            with FlopCount(window=last) as counted, eliding(_repeating(counted)):
                 self.run(batch, plan)
         run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
         return Trace(
@@ -160,6 +191,21 @@ class StepBench:
             return sum(p.numel() for g in target.optimizer.param_groups for p in g["params"] if p.requires_grad)
         blocks = target.blocks[: plan.offload_layers]
         return sum(p.numel() for block in blocks for p in block.parameters() if p.requires_grad)
+
+
+def _repeating(counted: FlopCount) -> Repeat:
+    """What counts a repetition an effect ran once for ``times`` (:mod:`oomguard._effects.elision`): the operations
+    and FLOPs it dispatched, ``times`` over. Its memory needs nothing: the repetitions not run would have allocated
+    and freed the same."""
+
+    @contextlib.contextmanager
+    def repeat(times: int) -> Iterator[None]:
+        flops, ops = counted.total, counted.ops
+        yield
+        counted.total += (counted.total - flops) * (times - 1)
+        counted.ops += (counted.ops - ops) * (times - 1)
+
+    return repeat
 
 
 def _phase_of(runner: StepRunner) -> Callable[[], Phase]:

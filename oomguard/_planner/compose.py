@@ -162,6 +162,13 @@ class Composed:
         """Fake steps run on the shallow models."""
         return sum(bench.steps for bench in self.benches.values())
 
+    def stepped_every_parameter(self) -> bool:
+        """Whether every shallow copy's steps made optimizer state for every parameter it trains: then so does the
+        deep model's step (its blocks are the copies' blocks, repeated), and its warm-up need not run forward and
+        backward (:meth:`~oomguard._planner.bench.StepBench.stepped_every_parameter`)."""
+        benches = list(self.benches.values())
+        return self.failed is None and bool(benches) and all(bench.stepped_every_parameter() for bench in benches)
+
     def measure(self, plan: Plan) -> tuple[Candidate, int]:
         if self.failed is None:
             try:

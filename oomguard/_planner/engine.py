@@ -87,6 +87,7 @@ def dry_run(
     search_seconds: float | None = None,
     known: dict[Plan, Candidate] | None = None,
     shallow: Shallow | None = None,
+    every_parameter_steps: bool = False,
 ) -> PlanReport:
     """Walk the ladder for ``batch`` on fake tensors (or measure just ``plans``, in order, if given; or search
     every configuration around the plan ``search_around``, :mod:`oomguard._planner.search`); recommend the
@@ -98,7 +99,9 @@ def dry_run(
     starts no measurement past ``search_seconds`` (but its first) and does not run again a plan in ``known``
     (an earlier dry run's measurements, added to here): see :class:`~oomguard._planner.search.SearchBudget`.
     ``shallow(n)``, where given, is the model with ``n`` blocks (:class:`ShallowModel`): a deep model's plans are
-    then composed from shallow steps (:mod:`oomguard._planner.compose`).
+    then composed from shallow steps (:mod:`oomguard._planner.compose`). ``every_parameter_steps``: the step makes
+    optimizer state for every parameter the optimizer trains (a real step showed it): the warm-up that makes that
+    state is then the optimizer step alone.
 
     Everything passed in must be fake (made in the caller's ``FakeTensorMode``); the effects are undone after.
     """
@@ -108,6 +111,7 @@ def dry_run(
     runner = build_runner(step_fn, options, item_counter=batch_size)  # fake tensors hold no labels to count
     bench = StepBench(runner, batch, size, capacity, target, speed or DeviceSpeed(), host_budget)
     bench.reads = PlaceholderReads(None if max_seconds is None else time.monotonic() + max_seconds)
+    bench.every_parameter_steps = every_parameter_steps
     composed = _composed(shallow, bench, options, residue if residue is not None else Residue())
     budget = _planned(bench, composed, options.rungs, plans, search_around, bf16, search_seconds, known)
     candidates = bench.candidates if bf16 else _as_fp16(bench.candidates)
@@ -152,6 +156,10 @@ def _planned(
             )
             budget = SearchBudget(search_seconds, known)
             _measure(composed or bench, ladder, context, plans, search_around, bf16, budget)
+            # (the deep model's warm-up makes its optimizer state by an optimizer step alone where the copies show
+            # that a whole step would make state for every parameter)
+            if composed is not None and composed.stepped_every_parameter():
+                bench.every_parameter_steps = True
             if composed is not None and not confirm(bench, composed.composed):
                 composed.refuted = True  # (the walk followed a wrong composition: walked again, in full)
                 budget = _again(bench, ladder, context, plans, search_around, bf16, search_seconds)
@@ -248,6 +256,7 @@ def _shallow(
             runner = build_runner(made.step_fn, given, item_counter=batch_size)  # (its effects: on the blocks kept)
         bench = StepBench(runner, batch, deep.size, deep.capacity, deep.target, deep.speed, deep.host_budget)
         bench.reads, bench.around = deep.reads, made.around
+        bench.every_parameter_steps = deep.every_parameter_steps
         residue.probes.append(bench.probe)
         return bench
 

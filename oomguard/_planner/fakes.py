@@ -168,12 +168,22 @@ def _dry_run(
 ) -> PlanReport:  # fmt: skip
     """:func:`dry_run` on fake copies of the guard's model, optimizer and batch (which no frame holds after)."""
     model = options.model
+    stepped = stepped_every_parameter(options.optimizer)  # (read before the fakes replace the parameters)
     with _faked(model, options.optimizer, batch, cuda=device.type == "cuda") as (fake_optimizer, fake_batch):
         return dry_run(
             step_fn, fake_batch, model=model, optimizer=fake_optimizer, capacity=capacity, target=target,
             label=type(model).__name__, ladder=options.rungs.rungs, max_grad_norm=options.max_grad_norm,
-            residue=residue, max_seconds=MAX_SECONDS, shallow=_shallow(step_fn, model, fake_optimizer), **planning,
+            residue=residue, max_seconds=MAX_SECONDS, shallow=_shallow(step_fn, model, fake_optimizer),
+            every_parameter_steps=stepped, **planning,
         )  # fmt: skip
+
+
+def stepped_every_parameter(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the real steps so far made ``optimizer`` state for every parameter it trains: then the dry run's
+    warm-up need only be an optimizer step (see :meth:`~oomguard._planner.bench.StepBench.warm`). False before
+    the first step, and where the step leaves a parameter without a gradient (a real step makes it no state)."""
+    trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    return bool(trained) and all(optimizer.state.get(p) for p in trained)
 
 
 def _shallow(
