@@ -43,7 +43,10 @@ from oomguard._effects.descent import Descent, summed
 from oomguard._effects.hoststep import FUSED_OPTIMIZERS, HostStep, buckets, fuses
 from oomguard._effects.interrupts import run_whole
 
-__all__ = ["EarlyStep"]
+__all__ = ["EarlyStep", "Groups"]
+
+#: Halved weights by the optimizer's parameter groups: (the group, its weights).
+Groups = list[tuple[dict[str, Any], list[Any]]]
 
 
 class _Early(Protocol):
@@ -89,13 +92,31 @@ class EarlyStep:
         return self._optimizer is not None
 
     @staticmethod
-    def possible(weights: Sequence[_Early], optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the optimizer and its state let ``weights`` step early (see the module), the host aside."""
-        return _groups(optimizer, weights) is not None
+    def groups(weights: Sequence[_Early], optimizer: torch.optim.Optimizer) -> Groups | None:
+        """The weights by the optimizer's groups (in its order), where its step of them may begin early (see the
+        module: the optimizer, its hooks and state; the host aside); None where it may not."""
+        if type(optimizer) not in FUSED_OPTIMIZERS or _hooked(optimizer):
+            return None
+        by_param = {id(w.param): w for w in weights}
+        groups = []
+        for group in optimizer.param_groups:
+            if group.get("capturable") or group.get("differentiable"):
+                return None
+            members = [by_param[id(p)] for p in group["params"] if id(p) in by_param]
+            for weight in members:
+                state = optimizer.state.get(weight.param, {})
+                keys = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group["amsgrad"] else set())
+                if not keys <= state.keys() or any(not isinstance(state[k], torch.Tensor) for k in keys):
+                    return None  # (the first step makes the state: after backward, journaled)
+                if any(state[k].is_cuda for k in keys):
+                    return None
+            if members:
+                groups.append((group, members))
+        return groups or None
 
     def arm(
         self,
-        weights: Sequence[_Early],
+        groups: Groups,
         optimizer: torch.optim.Optimizer,
         host_step: HostStep,
         backend: MemoryBackend,
@@ -107,9 +128,6 @@ class EarlyStep:
         through ``ascent``. True if armed."""
         self.disarm()
         self.elements = 0
-        groups = _groups(optimizer, weights)
-        if groups is None:
-            return False
         tensors = [t for _, members in groups for w in members for t in _mutable(optimizer, w)]
         needed = sum(nbytes(t) for t in tensors if not _fits(self._copies.get(id(t)), t))
         if budget is not None and (host_in_use(backend) or 0) + needed > budget:
@@ -127,9 +145,9 @@ class EarlyStep:
                 entry = _Bucket(chosen, group, fused, {id(w) for w in chosen})
                 self._buckets.update({id(w): entry for w in chosen})
         self._optimizer, self._backend, self._ascent = optimizer, backend, ascent
-        device = weights[0].param.device  # (the host thread's uploads go on the caller's stream, as the step's do)
-        cuda = device.type == "cuda" and not is_fake(weights[0].master)
-        self._stream = torch.cuda.current_stream(device) if cuda else None
+        first = groups[0][1][0]  # (the host thread's uploads go on the caller's stream, as the step's do)
+        cuda = first.param.device.type == "cuda" and not is_fake(first.master)
+        self._stream = torch.cuda.current_stream(first.param.device) if cuda else None
         return True
 
     def _kept(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -177,9 +195,7 @@ class EarlyStep:
 
     def wait(self) -> None:
         """Every bucket begun is stepped (the error of the first that failed raises here, once all have ended)."""
-        pending, self._pending = self._pending, []
-        concurrent.futures.wait(pending)
-        for future in pending:
+        for future in self._drain():
             future.result()
 
     def undo(self) -> None:
@@ -202,10 +218,11 @@ class EarlyStep:
         self.disarm()
         self.elements = 0
 
-    def _drain(self) -> None:
-        """Every bucket begun ends, whether it stepped or failed (it is undone next)."""
+    def _drain(self) -> list[concurrent.futures.Future[None]]:
+        """Every bucket begun ends, whether it stepped or failed; what they were."""
         pending, self._pending = self._pending, []
         concurrent.futures.wait(pending)
+        return pending
 
     def disarm(self) -> None:
         """Nothing more steps early (the attempt's step committed them, or they were undone)."""
@@ -220,31 +237,6 @@ class EarlyStep:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
-
-
-def _groups(
-    optimizer: torch.optim.Optimizer, weights: Sequence[_Early]
-) -> list[tuple[dict[str, Any], list[Any]]] | None:
-    """The weights by the optimizer's groups (in its order), where an early step of them is the step's exactly
-    (see the module); None where it is not."""
-    if type(optimizer) not in FUSED_OPTIMIZERS or _hooked(optimizer):
-        return None
-    by_param = {id(w.param): w for w in weights}
-    groups = []
-    for group in optimizer.param_groups:
-        if group.get("capturable") or group.get("differentiable"):
-            return None
-        members = [by_param[id(p)] for p in group["params"] if id(p) in by_param]
-        for weight in members:
-            state = optimizer.state.get(weight.param, {})
-            keys = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group["amsgrad"] else set())
-            if not keys <= state.keys() or any(not isinstance(state[k], torch.Tensor) for k in keys):
-                return None  # (the first step makes the state: after backward, journaled)
-            if any(state[k].is_cuda for k in keys):
-                return None
-        if members:
-            groups.append((group, members))
-    return groups or None
 
 
 def _hooked(optimizer: torch.optim.Optimizer) -> bool:

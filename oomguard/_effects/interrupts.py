@@ -30,7 +30,7 @@ _FAULTS = {
 _TRIES = 3  # times an interrupted part of a whole run is run again before the run moves on
 
 
-def run_whole(parts: Iterable[Callable[[], None]]) -> None:
+def run_whole(parts: Iterable[Callable[[], object]]) -> None:
     """Run every part to its end, as one, even through an interrupt (an undo that stops half-way leaves a model
     half-restored, which is worse than either end).
 

@@ -173,10 +173,11 @@ class MasterWeights:
         """The last backward of an attempt whose step nothing else looks at first is next: each bucket of weights
         may step as backward completes it (:mod:`.early`); writes on the device committed first."""
         weights, optimizer, backend = list(self._weights.values()), self.target.torch_optimizer, self._backend
-        if not weights or backend is None or self._swapped or not self.early.possible(weights, optimizer):
+        groups = None if backend is None or self._swapped else self.early.groups(weights, optimizer)
+        if not groups or backend is None:
             return False
         self.sync()
-        return self.early.arm(weights, optimizer, host_step, backend, self.ascent, budget)
+        return self.early.arm(groups, optimizer, host_step, backend, self.ascent, budget)
 
     def after_micro_batch(self) -> None:
         """Each halved weight's gradient of this micro-batch added to its fp32 sum on the host (sent down first
