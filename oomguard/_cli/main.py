@@ -92,7 +92,7 @@ def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--exact",
         action="store_true",
         help="measure every candidate with a full fake step (slower; by default a deep model's candidates are "
-        "composed from steps of 2- and 3-block copies of it and only the recommendation is measured in full)",
+        "composed from steps of 1- to 4-block copies of it and only the recommendation is measured in full)",
     )
     plan.add_argument(
         "--json", action="store_true", help="print the answer as strict JSON (a non-finite number is null)"

@@ -75,9 +75,9 @@ def plan(
             None: unlimited): a plan whose host bytes (offloaded state and masters, offloaded blocks, saved
             activations, the journal) are past it does not fit. ``oomguard plan`` gives this machine's.
         exact: measure every candidate with a full fake step of the model. By default a model of twelve or more
-            identical blocks has each candidate composed from steps of two- and three-block copies of it, and only
-            the recommendation measured in full (:mod:`oomguard._planner.compose`): the same peaks within a
-            fraction of a percent, in a fraction of the time.
+            identical blocks has each candidate composed from steps of one- and two-block copies of it (up to four
+            where layers stream), and only the recommendation measured in full (:mod:`oomguard._planner.compose`):
+            the same peaks within a fraction of a percent, in a fraction of the time.
 
     Raises ``ValueError`` for bad input: an argument out of range, or a config (file) transformers cannot build a
     causal LM from; the message names the file and the fix.

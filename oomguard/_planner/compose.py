@@ -1,5 +1,6 @@
 """A deep model's plan measured on shallow copies of it: a decoder stack is one block N times, so the planner
-traces the model with two or three blocks and composes what N blocks would measure.
+traces the model with one and two blocks (up to four, where it streams some) and composes what N blocks would
+measure.
 
 Within each phase of a step (forward, backward, clipping, the optimizer step), every figure the planner takes of
 a plan (the phase's peak, what was resident when the step began, host memory, the journal, host<->device bytes,
@@ -32,7 +33,7 @@ __all__ = ["MIN_BLOCKS", "Composed", "Trace", "compose", "confirm", "points"]
 logger = logging.getLogger("oomguard")
 
 #: The fewest blocks a model needs for its plans to be composed (a shallower one is measured as it is): two shallow
-#: steps of two and three blocks cost what a step of about twelve does where the embedding, head and loss weigh as
+#: steps of one and two blocks (two to four where layers stream) cost what a step of about twelve does where the embedding, head and loss weigh as
 #: much as four blocks (a small model's), so composing pays from about there.
 MIN_BLOCKS = 12
 
@@ -74,30 +75,38 @@ class Trace:
         return self.crossed or Phase.FORWARD
 
 
-def points(plan: Plan, blocks: int) -> list[tuple[Plan, int, float]]:
+def points(plan: Plan, blocks: int, prefetching: bool = False) -> list[tuple[Plan, int, float]]:
     """The shallow steps that compose ``plan`` on a model of ``blocks`` blocks: (the plan on the shallow model,
     its blocks, the weight of its figures in the composition); the weights sum to 1.
 
+    A model without streamed blocks is composed from one and two blocks (pairs, for partial checkpointing). Where
+    layer offload ``prefetching`` the next streamed block (on the deep model: see :data:`PREFETCH_FROM`), every
+    shallow step streams at least two blocks, so that each prefetches as the deep one does: its one more block
+    resident is there once, whatever the count streamed, not a figure that grows with it.
+
     >>> [(p.offload_layers, n, w) for p, n, w in points(Plan(), 22)]
-    [(0, 2, -19.0), (0, 3, 20.0)]
-    >>> [(p.offload_layers, n, w) for p, n, w in points(Plan(offload_layers=5), 22)]
-    [(1, 2, -19.0), (1, 3, 16.0), (2, 3, 4.0)]
+    [(0, 1, -20.0), (0, 2, 21.0)]
+    >>> [(p.offload_layers, n, w) for p, n, w in points(Plan(offload_layers=2), 22)]
+    [(1, 2, -20.0), (1, 3, 20.0), (2, 3, 1.0)]
+    >>> [(p.offload_layers, n, w) for p, n, w in points(Plan(offload_layers=5), 22, prefetching=True)]
+    [(2, 3, -18.0), (2, 4, 16.0), (3, 4, 3.0)]
     """
     unit = 2 if plan.checkpointing == "partial" else 1  # (every other block: a pair is the unit that repeats)
     streamed = plan.offload_layers
     resident = blocks - streamed
+    least = max(unit, 2) if prefetching else unit  # the fewest blocks a shallow step streams
     if streamed == 0 or resident == 0:
-        low, high = 2 * unit, 3 * unit
-        scale = (blocks - low) / (high - low)
+        low = least if streamed else unit
+        scale = (blocks - low) / unit
         return [
             (plan.replace(offload_layers=low if streamed else 0), low, 1 - scale),
-            (plan.replace(offload_layers=high if streamed else 0), high, scale),
+            (plan.replace(offload_layers=low + unit if streamed else 0), low + unit, scale),
         ]
-    more_resident, more_streamed = (resident - unit) / unit, (streamed - unit) / unit
+    more_resident, more_streamed = (resident - unit) / unit, (streamed - least) / unit
     return [
-        (plan.replace(offload_layers=unit), 2 * unit, 1 - more_resident - more_streamed),
-        (plan.replace(offload_layers=unit), 3 * unit, more_resident),
-        (plan.replace(offload_layers=2 * unit), 3 * unit, more_streamed),
+        (plan.replace(offload_layers=least), least + unit, 1 - more_resident - more_streamed),
+        (plan.replace(offload_layers=least), least + 2 * unit, more_resident),
+        (plan.replace(offload_layers=least + unit), least + 2 * unit, more_streamed),
     ]
 
 
@@ -173,8 +182,10 @@ class Composed:
         if self.failed is None:
             try:
                 # (Layer offload's prefetching as on the deep model: from two streamed blocks on, or never.)
-                ahead = 2 if plan.offload_layers >= PREFETCH_FROM else self.blocks + 1
-                traces = [(self._trace(shallow, n, ahead), weight) for shallow, n, weight in points(plan, self.blocks)]
+                prefetching = plan.offload_layers >= PREFETCH_FROM
+                ahead = 2 if prefetching else self.blocks + 1
+                steps = points(plan, self.blocks, prefetching)
+                traces = [(self._trace(shallow, n, ahead), weight) for shallow, n, weight in steps]
             except DryRunLimit:
                 raise
             except Exception as error:  # a model that does not run with fewer blocks (indexed by a count, say)

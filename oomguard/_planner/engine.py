@@ -15,7 +15,7 @@ with fp32 masters on the host. Of the fitting plans measured, the one the device
 step, so the optimizer state is resident as in any step but the first.
 
 Where it can build the model with fewer blocks (``dry_run``'s ``shallow``), a deep model's plans are measured on
-two- and three-block copies and composed (:mod:`oomguard._planner.compose`), and only the recommendation is
+one- and two-block copies (up to four where layers stream) and composed (:mod:`oomguard._planner.compose`), and only the recommendation is
 measured with a full step.
 """
 

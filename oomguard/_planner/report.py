@@ -226,7 +226,7 @@ class PlanReport:
                 f"of {format_bytes(self.capacity_bytes)}, {format_bytes(chosen.host_bytes)} of host memory; the "
                 f"fastest fitting plan by the device model ({chosen.predicted_seconds:.2f} s a step)."
             )
-        how = "composed from 2- and 3-block steps, the recommendation confirmed in full" if self.composed else "full"
+        how = "composed from 1- to 4-block steps, the recommendation confirmed in full" if self.composed else "full"
         lines.append(f"(planned in {self.seconds:.1f} s on fake tensors: {self.fake_steps} steps, {how})")
         return "\n".join(lines)
 
