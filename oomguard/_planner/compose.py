@@ -87,7 +87,7 @@ def points(plan: Plan, blocks: int, prefetching: bool = False) -> list[tuple[Pla
     >>> [(p.offload_layers, n, w) for p, n, w in points(Plan(), 22)]
     [(0, 1, -20.0), (0, 2, 21.0)]
     >>> [(p.offload_layers, n, w) for p, n, w in points(Plan(offload_layers=2), 22)]
-    [(1, 2, -20.0), (1, 3, 20.0), (2, 3, 1.0)]
+    [(1, 2, -19.0), (1, 3, 19.0), (2, 3, 1.0)]
     >>> [(p.offload_layers, n, w) for p, n, w in points(Plan(offload_layers=5), 22, prefetching=True)]
     [(2, 3, -18.0), (2, 4, 16.0), (3, 4, 3.0)]
     """
