@@ -9,12 +9,13 @@ import pytest
 import torch
 from helpers.batches import lm_batch
 from helpers.models import make_llama, make_qwen2
+from helpers.scenarios import NanoGPT
 from helpers.steps import model_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import OOMGuard, Plan, plan
 from oomguard._planner import fakes
-from oomguard._planner.compose import MIN_BLOCKS, points
+from oomguard._planner.compose import CONFIRM_MARGIN, MIN_BLOCKS, points
 from oomguard._planner.engine import dry_run
 from oomguard._planner.report import Candidate
 from oomguard.testing import SimulatedGPU
@@ -40,6 +41,12 @@ PLANS = [
 def _compose_from_six_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert MIN_BLOCKS > LAYERS  # (what a model needs by default: these are composed only here)
     monkeypatch.setattr("oomguard._planner.engine.MIN_BLOCKS", LAYERS)
+
+
+@pytest.fixture
+def always_confirm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recommendation measured in full however far it is from the edge (a margin of the whole room)."""
+    monkeypatch.setattr("oomguard._planner.compose.CONFIRM_MARGIN", 1.0)
 
 
 def measure(make: Any, plans: list[Plan], composed: bool, target: str = "cuda") -> list[Candidate]:
@@ -96,6 +103,7 @@ def test_composed_figures_are_those_of_a_full_fake_step_for_every_rung(name: str
         assert built.predicted_seconds == pytest.approx(full.predicted_seconds, rel=1e-9), (name, full.plan)
 
 
+@pytest.mark.usefixtures("always_confirm")
 def test_the_plan_recommended_is_confirmed_by_a_full_step() -> None:
     """The composed candidates are predictions; the one recommended is replaced by its full step's figures (a
     composition with a wrong figure would show here: the confirmed candidate is the exact one)."""
@@ -128,6 +136,7 @@ def _with_unused(layers: int) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.usefixtures("always_confirm")
 @pytest.mark.parametrize(("make", "warm_ups"), [(lambda n: make_llama(layers=n, hidden=32), 0), (_with_unused, 1)])
 def test_the_deep_models_warm_up_is_an_optimizer_step_alone_where_the_copies_stepped_every_parameter(
     make: Any, warm_ups: int
@@ -209,8 +218,23 @@ def test_plan_composes_deep_models_and_exact_measures_every_candidate_in_full() 
     for built, full in zip(fast.candidates, exact.candidates, strict=True):
         assert built.peak_bytes == pytest.approx(full.peak_bytes, rel=0.01)
     assert exact.fake_steps == len(exact.candidates) + 1  # one full step each, and the warm-up
-    # two shallow warm-ups and steps, the deep warm-up and the confirmation
-    assert fast.fake_steps == 2 + 2 * len(fast.candidates) + 2
+    # two shallow warm-ups and steps; the recommendation is far from the edge: no deep step at all
+    assert fast.fake_steps == 2 + 2 * len(fast.candidates) and fast.composed and not fast.confirmed
+    assert "clear of the edge" in fast.table()
+
+
+def test_a_recommendation_near_the_edge_is_confirmed_with_a_full_step() -> None:
+    """Within CONFIRM_MARGIN of the device's room the composed recommendation is measured in full (its figures are
+    then the full step's); farther, its composed figures stand, byte-equal here."""
+    config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    exact = plan(config, gpu_memory="24MiB", batch_size=4, seq_len=64, target="simulated", exact=True)
+    peak = exact.chosen.peak_bytes
+    near = plan(config, gpu_memory=int(peak / (1 - CONFIRM_MARGIN / 2)), batch_size=4, seq_len=64, target="simulated")
+    far = plan(config, gpu_memory=int(peak / (1 - 2 * CONFIRM_MARGIN)), batch_size=4, seq_len=64, target="simulated")
+    assert near.composed and near.confirmed and near.fake_steps == far.fake_steps + 2  # the deep warm-up and step
+    assert far.composed and not far.confirmed
+    assert near.chosen == far.chosen == exact.chosen
 
 
 def _preplanned(monkeypatch: pytest.MonkeyPatch, composing: bool) -> tuple[list[tuple[Any, ...]], bool]:
@@ -240,3 +264,71 @@ def test_the_guards_own_model_is_cut_to_fewer_blocks_while_planned_and_whole_aft
     full, _ = _preplanned(monkeypatch, composing=False)
     assert whole
     assert len(composed) > 2 and composed == full
+
+
+def _helped(plans: list[Plan], helper: bool, failing: int | None = None) -> tuple[Any, list[int]]:
+    """A composed dry run of a 6-layer Llama (with a helper process or not), and the depths of the shallow models
+    built in this process; a shallow model of ``failing`` blocks raises."""
+    built: list[int] = []
+    with FakeTensorMode():
+
+        def build(layers: int) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
+            if layers != LAYERS:
+                built.append(layers)  # (in the process that builds it: a helper's list is its own)
+            if layers == failing:
+                raise IndexError("a model indexed by its block count")
+            model = make_llama(layers=layers, hidden=32)
+            return (lambda b: model(**b)), model, torch.optim.AdamW(model.parameters(), foreach=True)
+
+        step, model, optimizer = build(LAYERS)
+        report = dry_run(
+            step, lm_batch(4, 32), model=model, optimizer=optimizer, capacity=2**40, target="cuda",
+            label="llama", plans=plans, shallow=build, helper=helper,
+        )  # fmt: skip
+    return report, built
+
+
+def test_a_helper_process_runs_some_shallow_steps_with_the_same_figures() -> None:
+    """With a helper (``oomguard plan``'s, on two cores), the 2-block shallow steps run in a forked process: this
+    one does not build that model; the candidates and the count of fake steps are the same."""
+    plans = [Plan(), Plan(precision="bf16", checkpointing="partial"), Plan(offload_layers=4)]
+    alone, built_alone = _helped(plans, helper=False)
+    helped, built_helped = _helped(plans, helper=True)
+    assert helped.candidates == alone.candidates and helped.fake_steps == alone.fake_steps
+    assert sorted(built_alone) == [1, 2, 3, 4] and sorted(built_helped) == [1, 3, 4]  # (the helper's: 2)
+
+
+def test_a_shallow_step_failing_in_the_helper_measures_every_plan_in_full() -> None:
+    """The helper's error comes back: the dry run measures every plan on the deep model, as without a helper."""
+    plans = [Plan(), Plan(precision="bf16")]
+    exact = measure(lambda n: make_llama(layers=n, hidden=32), plans, composed=False)
+    report, built = _helped(plans, helper=True, failing=2)
+    assert not report.composed and built == [1]  # (the 1-block model's step ran: composing failed after it)
+    assert sorted(report.candidates, key=lambda c: plans.index(c.plan)) == exact
+
+
+def test_a_model_of_its_own_blocks_is_composed_from_two_and_three_and_exactly() -> None:
+    """A model that is not a transformers one (nanoGPT's shape) has its blocks found as a list of at least two
+    alike: its copies have two and three blocks (one would have none to checkpoint), and the figures are exact."""
+    plans = [Plan(), Plan(checkpointing="full"), Plan(micro_batch_size=2, checkpointing="full", offload_layers=2)]
+
+    def run(composed: bool) -> tuple[list[Candidate], list[int]]:
+        built: list[int] = []
+        with FakeTensorMode():
+
+            def build(layers: int) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
+                built.append(layers)
+                model = NanoGPT(layers=layers)
+                step = lambda b: model(b["input_ids"][:, :-1], b["input_ids"][:, 1:])  # noqa: E731
+                return step, model, torch.optim.AdamW(model.parameters(), foreach=True)
+
+            step, model, optimizer = build(LAYERS)
+            report = dry_run(
+                step, lm_batch(4, 33), model=model, optimizer=optimizer, capacity=2**40, target="cuda",
+                label="nanogpt", plans=plans, shallow=build if composed else None,
+            )  # fmt: skip
+        assert report.composed is composed
+        return sorted(report.candidates, key=lambda c: plans.index(c.plan)), sorted(set(built) - {LAYERS})
+
+    (full, _), (built, depths) = run(composed=False), run(composed=True)
+    assert depths == [2, 3] and built == full

@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from oomguard._backends.units import parse_bytes
 from oomguard._extras import require
 from oomguard._ladder.rungs import Rung
+from oomguard._planner.compose import uniform_blocks
 from oomguard._planner.engine import dry_run
 from oomguard._planner.lora import ALL_LINEAR, add_lora
 from oomguard._planner.presets import config_source, load_config, transformers_error
@@ -110,7 +111,7 @@ def plan(
             lambda b: net(**b), batch, model=net, optimizer=opt, capacity=capacity, target=target,
             label=str(label), ladder=ladder, max_grad_norm=max_grad_norm, bf16=bf16, seq_len=seq_len,
             optimizer_name="AdamW" if optimizer == "adamw" else "SGD (momentum 0.9)", speed=speed,
-            host_budget=host_budget, shallow=None if exact else shallow,
+            host_budget=host_budget, shallow=None if exact or not uniform_blocks(config) else shallow, helper=True,
         )  # fmt: skip
 
 

@@ -11,9 +11,12 @@ streams some of the blocks (``offload_layers``), resident and streamed blocks ea
 Partial checkpointing checkpoints every other block, so its unit is a pair of blocks.
 
 A shallow step costs a fraction of a deep one (the cost of a fake step is per operator dispatched), so the walk
-and the search run at a fraction of their cost; the plan they recommend is then confirmed with one full fake step
-of the deep model (:func:`confirm`), which replaces the composed figures with measured ones. ``oomguard plan
---exact`` (``plan(..., exact=True)``) measures every candidate on the deep model instead.
+and the search run at a fraction of their cost. The plan they recommend is then confirmed with one full fake step
+of the deep model (:func:`confirm`), which replaces the composed figures with measured ones, where it comes within
+:data:`CONFIRM_MARGIN` of the device's or the host's room: farther from the edge, no error a composition makes
+turns its fit into an OOM (of identical blocks it makes none: byte for byte), and the full step, the dearest one of
+a dry run, is not run. ``oomguard plan --exact`` (``plan(..., exact=True)``) measures every candidate on the deep
+model instead.
 """
 
 from __future__ import annotations
@@ -23,19 +26,25 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from oomguard._effects.blocks import is_transformers_model
 from oomguard._effects.layers import PREFETCH_FROM
 from oomguard._ladder.plan import Phase, Plan
+from oomguard._planner.helper import Helper
 from oomguard._planner.reads import DryRunLimit
 from oomguard._planner.report import Candidate
 
-__all__ = ["MIN_BLOCKS", "Composed", "Trace", "compose", "confirm", "points"]
+__all__ = ["CONFIRM_MARGIN", "MIN_BLOCKS", "Composed", "Trace", "compose", "confirm", "points", "uniform_blocks"]
 
 logger = logging.getLogger("oomguard")
 
 #: The fewest blocks a model needs for its plans to be composed (a shallower one is measured as it is): two shallow
-#: steps of one and two blocks (two to four where layers stream) cost what a step of about twelve does where the embedding, head and loss weigh as
-#: much as four blocks (a small model's), so composing pays from about there.
+#: steps (of one and two blocks, two to four where layers stream) cost what a step of about twelve does where the
+#: embedding, head and loss weigh as much as four blocks (a small model's), so composing pays from about there.
 MIN_BLOCKS = 12
+#: A composed recommendation is measured in full where its device peak (with the overhead) or its host memory comes
+#: within this fraction of the room there is: a composition's error (a fraction of a percent where blocks differ in
+#: what one measures, none where they are identical) is far smaller.
+CONFIRM_MARGIN = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +84,13 @@ class Trace:
         return self.crossed or Phase.FORWARD
 
 
-def points(plan: Plan, blocks: int, prefetching: bool = False) -> list[tuple[Plan, int, float]]:
+def points(plan: Plan, blocks: int, prefetching: bool = False, fewest: int = 1) -> list[tuple[Plan, int, float]]:
     """The shallow steps that compose ``plan`` on a model of ``blocks`` blocks: (the plan on the shallow model,
     its blocks, the weight of its figures in the composition); the weights sum to 1.
 
-    A model without streamed blocks is composed from one and two blocks (pairs, for partial checkpointing). Where
+    A model without streamed blocks is composed from ``fewest`` blocks and one more (pairs, for partial
+    checkpointing): one for a transformers model, two for others, whose blocks the guard finds as a list of at
+    least two alike (a one-block copy would have none to checkpoint, or show another list as its blocks). Where
     layer offload ``prefetching`` the next streamed block (on the deep model: see :data:`PREFETCH_FROM`), every
     shallow step streams at least two blocks, so that each prefetches as the deep one does: its one more block
     resident is there once, whatever the count streamed, not a figure that grows with it.
@@ -96,7 +107,7 @@ def points(plan: Plan, blocks: int, prefetching: bool = False) -> list[tuple[Pla
     resident = blocks - streamed
     least = max(unit, 2) if prefetching else unit  # the fewest blocks a shallow step streams
     if streamed == 0 or resident == 0:
-        low = least if streamed else unit
+        low = least if streamed else max(unit, fewest)
         scale = (blocks - low) / unit
         return [
             (plan.replace(offload_layers=low if streamed else 0), low, 1 - scale),
@@ -141,6 +152,8 @@ class Deep(Protocol):
     batch: Any
     size: int
     budget: int
+    capacity: int
+    host_budget: int | None
     runner: Any
     candidates: list[Candidate]
 
@@ -153,10 +166,13 @@ class Composed:
     """A bench (:class:`~oomguard._planner.walk.Bench`) whose measurements of the deep model are composed from
     shallow benches: ``shallow(n)`` is a bench of the same model with ``n`` blocks (made once, when first needed),
     whose ``trace(plan)`` runs a fake step. Where a shallow step fails, this plan and every later one is measured
-    on the deep model instead."""
+    on the deep model instead. ``helped``: some of the shallow steps run in a :class:`~oomguard._planner.helper.Helper`
+    process beside this one's (forked at the first measurement; :meth:`close` ends it)."""
 
-    def __init__(self, deep: Deep, blocks: int, shallow: Callable[[int], Any]) -> None:
-        self.deep, self.blocks, self._make = deep, blocks, shallow
+    def __init__(self, deep: Deep, blocks: int, shallow: Callable[[int], Any], helped: bool = False) -> None:
+        self.deep, self.blocks, self._make, self._helped = deep, blocks, shallow, helped
+        self._fewest = 1 if is_transformers_model(deep.runner.effects.target.model) else 2  # (see points)
+        self._helper: Helper | None = None
         self.batch, self.size, self.budget, self.runner = deep.batch, deep.size, deep.budget, deep.runner
         self.candidates = deep.candidates
         self.benches: dict[int, Any] = {}
@@ -164,12 +180,15 @@ class Composed:
         self.composed: list[Candidate] = []
         self.failed: str | None = None
         self.refuted = False  # every composed plan that fitted did not in full: the dry run measured all in full
+        self.confirmed = False  # the recommendation was measured in full (see confirm)
+        self.made = 0  # candidates composed (some may then have been measured in full)
         self._traces: dict[tuple[Plan, int, int], Trace] = {}
 
     @property
     def steps(self) -> int:
-        """Fake steps run on the shallow models."""
-        return sum(bench.steps for bench in self.benches.values())
+        """Fake steps run on the shallow models (by the helper too)."""
+        helped = self._helper.steps if self._helper is not None else 0
+        return helped + sum(int(bench.steps) for bench in self.benches.values())
 
     def stepped_every_parameter(self) -> bool:
         """Whether every shallow copy's steps made optimizer state for every parameter it trains: then so does the
@@ -184,8 +203,9 @@ class Composed:
                 # (Layer offload's prefetching as on the deep model: from two streamed blocks on, or never.)
                 prefetching = plan.offload_layers >= PREFETCH_FROM
                 ahead = 2 if prefetching else self.blocks + 1
-                steps = points(plan, self.blocks, prefetching)
-                traces = [(self._trace(shallow, n, ahead), weight) for shallow, n, weight in steps]
+                steps = points(plan, self.blocks, prefetching, self._fewest)
+                shallow = self._traces_of([(p, n, ahead) for p, n, _ in steps])
+                traces = [(trace, weight) for trace, (*_, weight) in zip(shallow, steps, strict=True)]
             except DryRunLimit:
                 raise
             except Exception as error:  # a model that does not run with fewer blocks (indexed by a count, say)
@@ -194,8 +214,30 @@ class Composed:
             else:
                 trace = compose(traces, self.budget)
                 self.composed.append(self.deep.judge(plan, trace))
+                self.made += 1
                 return self.composed[-1], trace.base
         return self.deep.measure(plan)
+
+    def close(self) -> None:
+        """End the helper process, if one runs."""
+        if self._helper is not None:
+            self._helper.close()
+
+    def _traces_of(self, steps: list[tuple[Plan, int, int]]) -> list[Trace]:
+        """The shallow steps' traces, each run once; with a helper, some run there (see :func:`_helps`), beside those
+        run here."""
+        if self._helped and self._helper is None:
+            self._helper = Helper(self._trace, lambda: self.steps)
+        helper = self._helper
+        there = [] if helper is None else [s for s in dict.fromkeys(steps) if s not in self._traces and _helps(s)]
+        for step in there:
+            helper.send(step)  # type: ignore[union-attr]
+        for step in steps:
+            if step not in there:
+                self._trace(*step)
+        for step in there:
+            self._traces[step] = helper.receive()  # type: ignore[union-attr]
+        return [self._traces[step] for step in steps]
 
     def _trace(self, plan: Plan, blocks: int, prefetch_from: int) -> Trace:
         """The shallow step, run once: plans that differ only in how many of the deep model's blocks they stream
@@ -212,10 +254,20 @@ class Composed:
         return self.benches[blocks]
 
 
-def confirm(deep: Deep, composed: list[Candidate]) -> bool:
+def _helps(step: tuple[Plan, int, int]) -> bool:
+    """Whether a shallow step runs in the helper: those of 2 and 6 blocks do. Each depth's model is then built and
+    warmed in one process only, and the steps of a composition are split between the two (1 and 2 blocks, 2 and 3,
+    2 and 4 for pairs, 4 and 6 with pairs streamed), but for those of a model that prefetches streamed blocks (3
+    and 4), which every level of layer offload shares."""
+    return step[1] % 4 == 2
+
+
+def confirm(deep: Deep, composed: list[Candidate]) -> bool | None:
     """Measure on the deep model the composed plan predicted fastest among those that fit, in its place in
     ``deep.candidates``; again with the next one where the full step does not fit after all. False where every
-    composed plan that fitted was refuted so (the walk stopped on a composition that was wrong: measure in full).
+    composed plan that fitted was refuted so (the walk stopped on a composition that was wrong: measure in full);
+    None where the fastest clears the device's and the host's room by :data:`CONFIRM_MARGIN` (a fraction of each):
+    it stands as composed, and nothing is measured.
 
     A composition errs on the side of fitting: where a phase's peak is the larger of two figures that grow at
     different rates with the blocks (the head's backward, the stack's), the line through two shallow depths
@@ -226,6 +278,8 @@ def confirm(deep: Deep, composed: list[Candidate]) -> bool:
         fitting = sorted((c for c in composed if c.fits), key=lambda c: c.predicted_seconds)
         if not fitting:
             return not refuted
+        if not refuted and _clears(fitting[0], deep.capacity, deep.host_budget, CONFIRM_MARGIN):
+            return None
         composed.remove(fitting[0])
         where = next(i for i, c in enumerate(deep.candidates) if c is fitting[0])
         measured, _ = deep.measure(fitting[0].plan)
@@ -233,3 +287,21 @@ def confirm(deep: Deep, composed: list[Candidate]) -> bool:
         if measured.fits:
             return True
         refuted = True
+
+
+def _clears(candidate: Candidate, capacity: int, host_budget: int | None, margin: float) -> bool:
+    """Whether ``candidate`` leaves ``margin`` of the device's ``capacity`` and of the ``host_budget`` free."""
+    device = candidate.peak_bytes + candidate.device_overhead_bytes <= (1 - margin) * capacity
+    return device and (host_budget is None or candidate.host_bytes <= (1 - margin) * host_budget)
+
+
+def uniform_blocks(config: Any) -> bool:
+    """Whether a transformers ``config`` (or None) builds blocks that are alike: not where its per-layer settings
+    (``layer_types``: sliding and full attention, say) differ from block to block, as a shallow copy would keep only
+    its first blocks' kinds. Such a model is measured in full.
+
+    >>> uniform_blocks(None), uniform_blocks(type("C", (), {"layer_types": ["sliding_attention", "full_attention"]}))
+    (True, False)
+    """
+    kinds = getattr(config, "layer_types", None)
+    return not isinstance(kinds, list) or len(set(kinds)) <= 1

@@ -15,8 +15,8 @@ with fp32 masters on the host. Of the fitting plans measured, the one the device
 step, so the optimizer state is resident as in any step but the first.
 
 Where it can build the model with fewer blocks (``dry_run``'s ``shallow``), a deep model's plans are measured on
-one- and two-block copies (up to four where layers stream) and composed (:mod:`oomguard._planner.compose`), and only the recommendation is
-measured with a full step.
+one- and two-block copies (up to four where layers stream) and composed (:mod:`oomguard._planner.compose`), and
+only the recommendation is measured with a full step, where it comes near the edge of the device or the host.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from oomguard._ladder.rungs import Rung, RungContext
 from oomguard._options import GuardOptions, build_runner, model_context
 from oomguard._planner.bench import StepBench, close
 from oomguard._planner.compose import MIN_BLOCKS, Composed, confirm
+from oomguard._planner.helper import usable
 from oomguard._planner.masks import unpadded_masks
 from oomguard._planner.reads import PlaceholderReads
 from oomguard._planner.report import Candidate, PlanReport, Target
@@ -88,6 +89,7 @@ def dry_run(
     known: dict[Plan, Candidate] | None = None,
     shallow: Shallow | None = None,
     every_parameter_steps: bool = False,
+    helper: bool = False,
 ) -> PlanReport:
     """Walk the ladder for ``batch`` on fake tensors (or measure just ``plans``, in order, if given; or search
     every configuration around the plan ``search_around``, :mod:`oomguard._planner.search`); recommend the
@@ -101,7 +103,8 @@ def dry_run(
     ``shallow(n)``, where given, is the model with ``n`` blocks (:class:`ShallowModel`): a deep model's plans are
     then composed from shallow steps (:mod:`oomguard._planner.compose`). ``every_parameter_steps``: the step makes
     optimizer state for every parameter the optimizer trains (a real step showed it): the warm-up that makes that
-    state is then the optimizer step alone.
+    state is then the optimizer step alone. ``helper``: run half of the shallow steps in a forked process, where
+    this machine has a second core (:mod:`oomguard._planner.helper`; not inside a training process).
 
     Everything passed in must be fake (made in the caller's ``FakeTensorMode``); the effects are undone after.
     """
@@ -112,7 +115,7 @@ def dry_run(
     bench = StepBench(runner, batch, size, capacity, target, speed or DeviceSpeed(), host_budget)
     bench.reads = PlaceholderReads(None if max_seconds is None else time.monotonic() + max_seconds)
     bench.every_parameter_steps = every_parameter_steps
-    composed = _composed(shallow, bench, options, residue if residue is not None else Residue())
+    composed = _composed(shallow, bench, options, residue if residue is not None else Residue(), helper)
     budget = _planned(bench, composed, options.rungs, plans, search_around, bf16, search_seconds, known)
     candidates = bench.candidates if bf16 else _as_fp16(bench.candidates)
     # The fastest fitting plan by the time model (ties: the first measured, the one the ladder reached first).
@@ -130,7 +133,8 @@ def dry_run(
         host_budget_bytes=host_budget,
         fake_steps=bench.steps + (composed.steps if composed is not None else 0),
         complete=budget.complete,
-        composed=composed is not None and composed.steps > 0 and not composed.refuted,
+        composed=composed is not None and composed.made > 0 and not composed.refuted,
+        confirmed=composed is None or composed.confirmed,
     )
 
 
@@ -158,12 +162,16 @@ def _planned(
             _measure(composed or bench, ladder, context, plans, search_around, bf16, budget)
             # (the deep model's warm-up makes its optimizer state by an optimizer step alone where the copies show
             # that a whole step would make state for every parameter)
-            if composed is not None and composed.stepped_every_parameter():
-                bench.every_parameter_steps = True
-            if composed is not None and not confirm(bench, composed.composed):
-                composed.refuted = True  # (the walk followed a wrong composition: walked again, in full)
-                budget = _again(bench, ladder, context, plans, search_around, bf16, search_seconds)
+            if composed is not None:
+                bench.every_parameter_steps = bench.every_parameter_steps or composed.stepped_every_parameter()
+                confirmed = confirm(bench, composed.composed)
+                composed.confirmed = confirmed is True
+                if confirmed is False:
+                    composed.refuted = True  # (the walk followed a wrong composition: walked again, in full)
+                    budget = _again(bench, ladder, context, plans, search_around, bf16, search_seconds)
         finally:
+            if composed is not None:
+                composed.close()
             close(bench, *(composed.benches.values() if composed is not None else ()))
     return budget
 
@@ -234,14 +242,17 @@ def _fp16(plan: Plan) -> Plan:
     return plan.replace(precision="fp16") if plan.precision is not None else plan
 
 
-def _composed(shallow: Shallow | None, deep: StepBench, options: GuardOptions, residue: Residue) -> Composed | None:
+def _composed(
+    shallow: Shallow | None, deep: StepBench, options: GuardOptions, residue: Residue, helped: bool
+) -> Composed | None:
     """The bench composing ``deep``'s plans from shallow ones, where ``shallow`` is given and the model is deep
-    enough to gain from it; None: every plan is measured on ``deep``. ``residue`` is told every bench's device."""
+    enough to gain from it; None: every plan is measured on ``deep``. ``residue`` is told every bench's device (the
+    helper's, if ``helped``, are in another process)."""
     residue.probes.append(deep.probe)
     blocks = len(deep.runner.effects.target.blocks)
     if shallow is None or blocks < MIN_BLOCKS:
         return None
-    return Composed(deep, blocks, _shallow(shallow, deep.batch, options, deep, residue))
+    return Composed(deep, blocks, _shallow(shallow, deep.batch, options, deep, residue), helped=helped and usable())
 
 
 def _shallow(

@@ -30,6 +30,7 @@ from oomguard._effects.effects import Effects
 from oomguard._effects.sharding import is_fsdp
 from oomguard._ladder.plan import Plan
 from oomguard._options import GuardOptions
+from oomguard._planner.compose import uniform_blocks
 from oomguard._planner.engine import Residue, ShallowModel, dry_run
 from oomguard._planner.isolation import Kept, leftovers
 from oomguard._planner.report import CUDA_CONTEXT_BYTES, Candidate, PlanReport, Target
@@ -193,7 +194,7 @@ def _shallow(
     shallow copy is the model itself with its block container cut to the first ``n`` blocks while it runs, and an
     optimizer of the same class and options over what is left (None: the model has no block container)."""
     container = _block_container(model)
-    if container is None:
+    if container is None or not uniform_blocks(getattr(model, "config", None)):
         return None
 
     def make(blocks: int) -> ShallowModel:
