@@ -53,9 +53,9 @@ __all__ = ["MIN_SEARCH_SECONDS", "SEARCH_STEPS", "TIMED", "TRIALS", "Foresight",
 #: Alternatives to the settled plan timed on real steps, and timed steps on each (after one warm-up step).
 TRIALS, TIMED = 3, 2
 #: Tuning's search spends at most this many of the bucket's steady steps (their median time) in one call, and
-#: never less than :data:`MIN_SEARCH_SECONDS`: a call that searches takes about three steps' time (and the one
+#: never less than :data:`MIN_SEARCH_SECONDS`: a call that searches takes about two steps' time (and the one
 #: measurement begun before the deadline), not a frozen minute; a small model's search is still done in one call.
-SEARCH_STEPS, MIN_SEARCH_SECONDS = 2, 1.0
+SEARCH_STEPS, MIN_SEARCH_SECONDS = 1, 0.5
 
 
 @dataclass
