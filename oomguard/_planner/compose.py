@@ -255,11 +255,12 @@ class Composed:
 
 
 def _helps(step: tuple[Plan, int, int]) -> bool:
-    """Whether a shallow step runs in the helper: those of 2 and 6 blocks do. Each depth's model is then built and
-    warmed in one process only, and the steps of a composition are split between the two (1 and 2 blocks, 2 and 3,
-    2 and 4 for pairs, 4 and 6 with pairs streamed), but for those of a model that prefetches streamed blocks (3
-    and 4), which every level of layer offload shares."""
-    return step[1] % 4 == 2
+    """Whether a shallow step runs in the helper: those of an even depth in the plan's units (blocks, or pairs of
+    them for partial checkpointing) do. So every composition's steps are split between the two processes (1 and 2
+    blocks; 2 and 3; 3 and 4 where streamed blocks are prefetched; 2 and 4 for pairs; 4 and 6 for pairs streamed),
+    and each depth's model is built and warmed in one process, but for the 2-block one where pairs are measured."""
+    plan, blocks, _ = step
+    return (blocks // (2 if plan.checkpointing == "partial" else 1)) % 2 == 0
 
 
 def confirm(deep: Deep, composed: list[Candidate]) -> bool | None:
