@@ -228,6 +228,7 @@ def test_a_gradient_accumulated_after_its_bucket_stepped_moves_the_whole_step_af
     assert len(undone) == 2 and all(undone), "each step after the first began early, and was undone"
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_shutdown_signal_in_the_backward_where_the_step_began_waits_for_the_step_to_be_counted() -> None:
     """SIGINT arrives in the last backward after buckets stepped: the guard holds it from where the step began, as
     it does from a step's start; the call commits its one step, counts it, and then the interrupt is raised."""
