@@ -103,7 +103,7 @@ def dry_run(
     ``shallow(n)``, where given, is the model with ``n`` blocks (:class:`ShallowModel`): a deep model's plans are
     then composed from shallow steps (:mod:`oomguard._planner.compose`). ``every_parameter_steps``: the step makes
     optimizer state for every parameter the optimizer trains (a real step showed it): the warm-up that makes that
-    state is then the optimizer step alone. ``helper``: run half of the shallow steps in a forked process, where
+    state is then the optimizer step alone. ``helper``: run some of the shallow steps in a forked process, where
     this machine has a second core (:mod:`oomguard._planner.helper`; not inside a training process).
 
     Everything passed in must be fake (made in the caller's ``FakeTensorMode``); the effects are undone after.
