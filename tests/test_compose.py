@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import OOMGuard, Plan, plan
 from oomguard._planner import fakes
-from oomguard._planner.compose import CONFIRM_MARGIN, MIN_BLOCKS, points
+from oomguard._planner.compose import MIN_BLOCKS, points
 from oomguard._planner.engine import dry_run
 from oomguard._planner.report import Candidate
 from oomguard.testing import SimulatedGPU
@@ -41,12 +41,6 @@ PLANS = [
 def _compose_from_six_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert MIN_BLOCKS > LAYERS  # (what a model needs by default: these are composed only here)
     monkeypatch.setattr("oomguard._planner.engine.MIN_BLOCKS", LAYERS)
-
-
-@pytest.fixture
-def always_confirm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The recommendation measured in full however far it is from the edge (a margin of the whole room)."""
-    monkeypatch.setattr("oomguard._planner.compose.CONFIRM_MARGIN", 1.0)
 
 
 def measure(make: Any, plans: list[Plan], composed: bool, target: str = "cuda") -> list[Candidate]:
@@ -80,6 +74,7 @@ STREAMED = [
     Plan(offload_layers=3),
     Plan(offload_layers=5, micro_batch_size=2),
     Plan(offload_layers=LAYERS),
+    Plan(offload_layers=LAYERS, micro_batch_size=2, precision="bf16", checkpointing="full"),
     Plan(offload_layers=4, checkpointing="partial"),
 ]
 
@@ -103,7 +98,6 @@ def test_composed_figures_are_those_of_a_full_fake_step_for_every_rung(name: str
         assert built.predicted_seconds == pytest.approx(full.predicted_seconds, rel=1e-9), (name, full.plan)
 
 
-@pytest.mark.usefixtures("always_confirm")
 def test_the_plan_recommended_is_confirmed_by_a_full_step() -> None:
     """The composed candidates are predictions; the one recommended is replaced by its full step's figures (a
     composition with a wrong figure would show here: the confirmed candidate is the exact one)."""
@@ -136,7 +130,6 @@ def _with_unused(layers: int) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.usefixtures("always_confirm")
 @pytest.mark.parametrize(("make", "warm_ups"), [(lambda n: make_llama(layers=n, hidden=32), 0), (_with_unused, 1)])
 def test_the_deep_models_warm_up_is_an_optimizer_step_alone_where_the_copies_stepped_every_parameter(
     make: Any, warm_ups: int
@@ -218,23 +211,8 @@ def test_plan_composes_deep_models_and_exact_measures_every_candidate_in_full() 
     for built, full in zip(fast.candidates, exact.candidates, strict=True):
         assert built.peak_bytes == pytest.approx(full.peak_bytes, rel=0.01)
     assert exact.fake_steps == len(exact.candidates) + 1  # one full step each, and the warm-up
-    # two shallow warm-ups and steps; the recommendation is far from the edge: no deep step at all
-    assert fast.fake_steps == 2 + 2 * len(fast.candidates) and fast.composed and not fast.confirmed
-    assert "clear of the edge" in fast.table()
-
-
-def test_a_recommendation_near_the_edge_is_confirmed_with_a_full_step() -> None:
-    """Within CONFIRM_MARGIN of the device's room the composed recommendation is measured in full (its figures are
-    then the full step's); farther, its composed figures stand, byte-equal here."""
-    config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
-              "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
-    exact = plan(config, gpu_memory="24MiB", batch_size=4, seq_len=64, target="simulated", exact=True)
-    peak = exact.chosen.peak_bytes
-    near = plan(config, gpu_memory=int(peak / (1 - CONFIRM_MARGIN / 2)), batch_size=4, seq_len=64, target="simulated")
-    far = plan(config, gpu_memory=int(peak / (1 - 2 * CONFIRM_MARGIN)), batch_size=4, seq_len=64, target="simulated")
-    assert near.composed and near.confirmed and near.fake_steps == far.fake_steps + 2  # the deep warm-up and step
-    assert far.composed and not far.confirmed
-    assert near.chosen == far.chosen == exact.chosen
+    # two shallow warm-ups and steps, the deep warm-up and the confirmation
+    assert fast.fake_steps == 2 + 2 * len(fast.candidates) + 2
 
 
 def _preplanned(monkeypatch: pytest.MonkeyPatch, composing: bool) -> tuple[list[tuple[Any, ...]], bool]:

@@ -16,7 +16,7 @@ step, so the optimizer state is resident as in any step but the first.
 
 Where it can build the model with fewer blocks (``dry_run``'s ``shallow``), a deep model's plans are measured on
 one- and two-block copies (up to four where layers stream) and composed (:mod:`oomguard._planner.compose`), and
-only the recommendation is measured with a full step, where it comes near the edge of the device or the host.
+only the recommendation is measured with a full step.
 """
 
 from __future__ import annotations
@@ -134,7 +134,6 @@ def dry_run(
         fake_steps=bench.steps + (composed.steps if composed is not None else 0),
         complete=budget.complete,
         composed=composed is not None and composed.made > 0 and not composed.refuted,
-        confirmed=composed is None or composed.confirmed,
     )
 
 
@@ -162,11 +161,11 @@ def _planned(
             _measure(composed or bench, ladder, context, plans, search_around, bf16, budget)
             # (the deep model's warm-up makes its optimizer state by an optimizer step alone where the copies show
             # that a whole step would make state for every parameter)
-            if composed is not None:
+            # (a search cut short by its time is run again in a later call, which confirms what it recommends then:
+            # the caller takes nothing of this one's)
+            if composed is not None and budget.complete:
                 bench.every_parameter_steps = bench.every_parameter_steps or composed.stepped_every_parameter()
-                confirmed = confirm(bench, composed.composed)
-                composed.confirmed = confirmed is True
-                if confirmed is False:
+                if not confirm(bench, composed.composed):
                     composed.refuted = True  # (the walk followed a wrong composition: walked again, in full)
                     budget = _again(bench, ladder, context, plans, search_around, bf16, search_seconds)
         finally:

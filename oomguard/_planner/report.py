@@ -127,9 +127,6 @@ class PlanReport:
     #: True: the candidates' figures were composed from steps of shallow copies of the model, and the recommended
     #: plan's measured with a full step (:mod:`oomguard._planner.compose`); False: every candidate was measured so.
     composed: bool = False
-    #: False: the recommendation's figures are composed too, as it clears the device and the host by
-    #: :data:`~oomguard._planner.compose.CONFIRM_MARGIN` (see :func:`~oomguard._planner.compose.confirm`).
-    confirmed: bool = True
 
     @property
     def baseline_peak_bytes(self) -> int:
@@ -193,7 +190,6 @@ class PlanReport:
             "seconds": round(self.seconds, 2),
             "fake_steps": self.fake_steps,
             "composed": self.composed,
-            "confirmed": self.composed and self.confirmed,
         }
 
     def table(self) -> str:
@@ -230,8 +226,7 @@ class PlanReport:
                 f"of {format_bytes(self.capacity_bytes)}, {format_bytes(chosen.host_bytes)} of host memory; the "
                 f"fastest fitting plan by the device model ({chosen.predicted_seconds:.2f} s a step)."
             )
-        checked = "the recommendation confirmed in full" if self.confirmed else "the recommendation clear of the edge"
-        how = f"composed from 1- to 4-block steps, {checked}" if self.composed else "full"
+        how = "composed from 1- to 4-block steps, the recommendation confirmed in full" if self.composed else "full"
         lines.append(f"(planned in {self.seconds:.1f} s on fake tensors: {self.fake_steps} steps, {how})")
         return "\n".join(lines)
 
