@@ -313,3 +313,26 @@ def test_a_model_of_its_own_blocks_is_composed_from_two_and_three_and_exactly() 
 
     (full, _), (built, depths) = run(composed=False), run(composed=True)
     assert depths == [2, 3] and built == full
+
+
+def test_a_search_cut_short_by_its_time_confirms_nothing() -> None:
+    """Tuning's search runs over several calls; a call whose search stops for time gives nothing to the guard, so
+    its dry run runs no full step of the deep model (the call that completes the search confirms its answer)."""
+    forwards: list[int] = []
+    with FakeTensorMode():
+
+        def build(layers: int) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
+            model = make_llama(layers=layers, hidden=32)
+            if layers == LAYERS:
+                model.register_forward_pre_hook(lambda *_: forwards.append(1))
+            return (lambda b: model(**b)), model, torch.optim.AdamW(model.parameters(), foreach=True)
+
+        step, model, optimizer = build(LAYERS)
+        common = {"model": model, "optimizer": optimizer, "target": "simulated", "label": "llama", "shallow": build}
+        plain = dry_run(step, lm_batch(4, 32), capacity=2**40, plans=[Plan()], **common)
+        capacity = plain.candidates[0].peak_bytes * 3 // 4  # (the whole batch does not fit: the search goes on)
+        cut = dry_run(step, lm_batch(4, 32), capacity=capacity, search_around=Plan(), search_seconds=0.0, **common)
+        confirmed = len(forwards)
+        whole = dry_run(step, lm_batch(4, 32), capacity=capacity, search_around=Plan(), **common)
+    assert not cut.complete and confirmed == 1, "the plain plan's confirmation only"
+    assert whole.complete and len(forwards) > confirmed
