@@ -86,10 +86,10 @@ def _serve(connection: Connection, run: Callable[[Any, int, int], Any], steps: C
             return
         before = steps()
         try:
-            answer: tuple[str, Any, int] = ("trace", run(*request), 0)
+            kind, value = "trace", run(*request)
         except Exception as error:
-            answer = ("error", _picklable(error), 0)
-        connection.send((answer[0], answer[1], steps() - before))
+            kind, value = "error", _picklable(error)
+        connection.send((kind, value, steps() - before))
 
 
 def _picklable(error: Exception) -> Exception:
