@@ -92,7 +92,8 @@ def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--exact",
         action="store_true",
         help="measure every candidate with a full fake step (slower; by default a deep model's candidates are "
-        "composed from steps of 1- to 4-block copies of it and only the recommendation is measured in full)",
+        "composed from steps of 1- to 4-block copies of it, and the recommendation measured in full where it comes "
+        "within 3%% of the GPU or the host memory)",
     )
     plan.add_argument(
         "--json", action="store_true", help="print the answer as strict JSON (a non-finite number is null)"

@@ -20,8 +20,9 @@ def _param_count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks, in order; empty if it has none (fewer than two same-typed children).
+def find_blocks(model: torch.nn.Module, least: int = 2) -> list[torch.nn.Module]:
+    """The model's repeated blocks, in order; empty if it has none (fewer than ``least`` same-typed children: a
+    transformers model with one decoder layer has its layer list of one, any other model its largest module).
 
     >>> mlp = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
     >>> len(find_blocks(mlp))
@@ -33,7 +34,7 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
         if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
             continue
         children = list(module.children())
-        if len(children) < 2 or len({type(child) for child in children}) != 1:
+        if len(children) < least or len({type(child) for child in children}) != 1:
             continue
         size = sum(_param_count(child) for child in children)
         if size > best_size:

@@ -16,6 +16,7 @@ from oomguard._ladder.plan import Phase, Plan
 from oomguard._planner.compose import Trace
 from oomguard._planner.probe import Probe
 from oomguard._planner.reads import PlaceholderReads
+from oomguard._planner.regions import stack
 from oomguard._planner.report import Candidate, Target, device_overhead, tensor_budget
 from oomguard._planner.speed import DeviceSpeed, FlopCount
 from oomguard._step.batch import batch_size, split_batch
@@ -139,8 +140,10 @@ class StepBench:
             base = probe.start()
             batch = two_micro_batches(self.batch, plan, self.size)
             last = _last_backward(self.runner, plan.micro_batches(batch_size(batch)) - 1)
-            with FlopCount(window=last) as counted, eliding(_repeating(counted)):
-                self.run(batch, plan)
+            counted = FlopCount(window=last)
+            with self.reads.counting(counted), eliding(_repeating(counted)):
+                with probe.regions(stack(self.runner.effects.target)):
+                    self.run(batch, plan)
         run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
         return Trace(
             base=base, phases=tuple(probe.phase_peaks.items()), crossed=probe.crossed,

@@ -2,9 +2,10 @@
 traces the model with one and two blocks (up to four, where it streams some) and composes what N blocks would
 measure.
 
-Within each phase of a step (forward, backward, clipping, the optimizer step), every figure the planner takes of
-a plan (the phase's peak, what was resident when the step began, host memory, the journal, host<->device bytes,
-FLOPs and operations) is affine in the number of identical blocks: each block adds its weights, gradients,
+Within each phase of a step (forward, backward, clipping, the optimizer step), and within each region of a phase
+(before the blocks, inside them, past them: :mod:`oomguard._planner.regions`), every figure the planner takes of a
+plan (the peak, what was resident when the step began, host memory, the journal, host<->device bytes, FLOPs and
+operations) is affine in the number of identical blocks: each block adds its weights, gradients,
 optimizer state and saved activations, and the embedding, the head and the loss are there once whatever the depth.
 So two shallow traces give a figure's intercept and its slope, and the N-block figure follows. Where a plan
 streams some of the blocks (``offload_layers``), resident and streamed blocks each have their slope: three traces.
@@ -12,7 +13,8 @@ Partial checkpointing checkpoints every other block, so its unit is a pair of bl
 
 A shallow step costs a fraction of a deep one (the cost of a fake step is per operator dispatched), so the walk
 and the search run at a fraction of their cost. The plan they recommend is then confirmed with one full fake step
-of the deep model (:func:`confirm`), which replaces the composed figures with measured ones. ``oomguard plan
+of the deep model, which replaces the composed figures with measured ones, where it comes within :data:`CLEAR` of
+the device or the host budget (:func:`confirm`). ``oomguard plan
 --exact`` (``plan(..., exact=True)``) measures every candidate on the deep model instead.
 """
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from oomguard._effects.blocks import is_transformers_model
 from oomguard._effects.layers import PREFETCH_FROM
@@ -30,7 +32,7 @@ from oomguard._planner.helper import Helper
 from oomguard._planner.reads import DryRunLimit
 from oomguard._planner.report import Candidate
 
-__all__ = ["MIN_BLOCKS", "Composed", "Trace", "compose", "confirm", "points", "uniform_blocks"]
+__all__ = ["CLEAR", "MIN_BLOCKS", "Composed", "Confirmed", "Trace", "compose", "confirm", "points", "uniform_blocks"]
 
 logger = logging.getLogger("oomguard")
 
@@ -39,6 +41,10 @@ logger = logging.getLogger("oomguard")
 #: embedding, head and loss weigh as much as four blocks (a small model's), so composing pays from about there.
 MIN_BLOCKS = 12
 
+#: How much of the device (and of the host budget) a composed recommendation must leave free to stand without a full
+#: step of the deep model (:func:`confirm`).
+CLEAR = 0.03
+
 
 @dataclasses.dataclass(frozen=True)
 class Trace:
@@ -46,8 +52,9 @@ class Trace:
 
     base: int  # device bytes resident when the step began
     #: The device peak of each phase of each micro-batch (forward and backward: a peak is affine in the blocks only
-    #: within one: the first micro-batch runs without gradients resident, the second with them), in the order run.
-    phases: tuple[tuple[tuple[Phase, int], int], ...]
+    #: within one: the first micro-batch runs without gradients resident, the second with them), in each region of
+    #: the phase (before, inside or past the blocks: :mod:`oomguard._planner.regions`), in the order reached.
+    phases: tuple[tuple[tuple[Phase, int, int], int], ...]
     crossed: Phase | None  # the phase in which usage first passed the bench's budget (None: it never did)
     host: int  # the host peak, the journal aside
     journal: int  # the journal's host copies of the plan's first step
@@ -71,7 +78,7 @@ class Trace:
         relieved by rungs that shrink activations: that is an optimizer-phase failure, whichever allocation
         would have been the first to fail.
         """
-        late = max((peak for (phase, _), peak in self.phases if phase in (Phase.CLIP, Phase.OPTIMIZER)), default=0)
+        late = max((peak for (phase, *_), peak in self.phases if phase in (Phase.CLIP, Phase.OPTIMIZER)), default=0)
         if self.base > budget or late > budget:
             return Phase.OPTIMIZER
         return self.crossed or Phase.FORWARD
@@ -86,7 +93,10 @@ def points(plan: Plan, blocks: int, prefetching: bool = False, fewest: int = 1) 
     least two alike (a one-block copy would have none to checkpoint, or show another list as its blocks). Where
     layer offload ``prefetching`` the next streamed block (on the deep model: see :data:`PREFETCH_FROM`), every
     shallow step streams at least two blocks, so that each prefetches as the deep one does: its one more block
-    resident is there once, whatever the count streamed, not a figure that grows with it.
+    resident is there once, whatever the count streamed, not a figure that grows with it. Activation offload composes
+    from two blocks and three: the first block, whose input is the embedding's output, keeps less on the device than
+    any later one (TinyLlama: its input, 32 MiB), so a one-block copy would make each block after it weigh that much
+    more.
 
     >>> [(p.offload_layers, n, w) for p, n, w in points(Plan(), 22)]
     [(0, 1, -20.0), (0, 2, 21.0)]
@@ -96,6 +106,7 @@ def points(plan: Plan, blocks: int, prefetching: bool = False, fewest: int = 1) 
     [(2, 3, -18.0), (2, 4, 16.0), (3, 4, 3.0)]
     """
     unit = 2 if plan.checkpointing == "partial" else 1  # (every other block: a pair is the unit that repeats)
+    fewest = max(fewest, 2) if plan.activation_offload else fewest
     streamed = plan.offload_layers
     resident = blocks - streamed
     least = max(unit, 2) if prefetching else unit  # the fewest blocks a shallow step streams
@@ -125,11 +136,11 @@ def compose(traces: list[tuple[Trace, float]], budget: int) -> Trace:
     def rounded(figure: Callable[[Trace], float]) -> int:
         return max(0, round(total(figure)))
 
-    def phase_peak(key: tuple[Phase, int]) -> Callable[[Trace], float]:
+    def phase_peak(key: tuple[Phase, int, int]) -> Callable[[Trace], float]:
         return lambda trace: dict(trace.phases).get(key, trace.base)
 
     phases = tuple((key, rounded(phase_peak(key))) for key, _ in traces[-1][0].phases)
-    crossed = next((phase for (phase, _), peak in phases if peak > budget), None)
+    crossed = next((phase for (phase, *_), peak in phases if peak > budget), None)
     return Trace(
         base=rounded(lambda t: t.base), phases=phases, crossed=crossed, host=rounded(lambda t: t.host),
         journal=rounded(lambda t: t.journal), transfers=rounded(lambda t: t.transfers),
@@ -145,6 +156,8 @@ class Deep(Protocol):
     batch: Any
     size: int
     budget: int
+    capacity: int
+    host_budget: int | None
     runner: Any
     candidates: list[Candidate]
 
@@ -172,6 +185,7 @@ class Composed:
         self.failed: str | None = None
         self.refuted = False  # every composed plan that fitted did not in full: the dry run measured all in full
         self.made = 0  # candidates composed (some may then have been measured in full)
+        self.confirmed = False  # a composed recommendation was measured in full (confirm)
         self._traces: dict[tuple[Plan, int, int], Trace] = {}
 
     @property
@@ -253,29 +267,47 @@ def _helps(step: tuple[Plan, int, int]) -> bool:
     return (blocks // (2 if plan.checkpointing == "partial" else 1)) % 2 == 0
 
 
-def confirm(deep: Deep, composed: list[Candidate]) -> bool:
+def confirm(deep: Deep, composed: list[Candidate]) -> Confirmed:
     """Measure on the deep model the composed plan predicted fastest among those that fit, in its place in
-    ``deep.candidates``; again with the next one where the full step does not fit after all. False where every
-    composed plan that fitted was refuted so (the walk stopped on a composition that was wrong: measure in full).
+    ``deep.candidates``, unless it clears the device and the host by :data:`CLEAR`; again with the next one where
+    the full step does not fit after all. ``refuted`` where every composed plan that fitted was refuted so (the walk
+    stopped on a composition that was wrong: measure in full).
 
-    A composition errs on the side of fitting: where a phase's peak is the larger of two figures that grow at
-    different rates with the blocks (the head's backward, the stack's), the line through two shallow depths
-    passes below the deeper ones' (llama-3.2-1b, micro-batches of 4 x 2048 with every layer streamed: 9 % below at
-    16 layers, where the shallow backward peaks at its end, the embedding's gradient, and the deep one inside the
-    stack). So a plan the composition says does not fit does not, and the recommendation is always measured.
+    A composition is exact where each phase's peak in each region of it (:mod:`oomguard._planner.regions`) is one
+    moment whatever the depth: byte for byte on every candidate of the three 1B-class presets' walks (63 plans) and
+    of the tests' models. A peak that switches moments within a region as blocks are added would make the line
+    through two shallow depths pass below the deep one (as the backward's did before regions: llama-3.2-1b, 9 %
+    below, at the embedding's gradient on two blocks and inside the stack on sixteen). The margin is for that.
     """
-    refuted = False
+    refuted = measured = False
     while True:
         fitting = sorted((c for c in composed if c.fits), key=lambda c: c.predicted_seconds)
         if not fitting:
-            return not refuted
+            return Confirmed(not refuted, measured)
+        if _clear(fitting[0], deep.capacity, deep.host_budget):
+            return Confirmed(True, measured)
         composed.remove(fitting[0])
+        measured = True
         where = next(i for i, c in enumerate(deep.candidates) if c is fitting[0])
         measured, _ = deep.measure(fitting[0].plan)
         deep.candidates[where] = deep.candidates.pop()  # (measure appended it)
         if measured.fits:
-            return True
+            return Confirmed(True, True)
         refuted = True
+
+
+class Confirmed(NamedTuple):
+    """What :func:`confirm` found: whether a composed plan that fits stands (none refuted, or one measured that
+    fits), and whether one was measured in full."""
+
+    stands: bool
+    measured: bool
+
+
+def _clear(candidate: Candidate, capacity: int, host_budget: int | None) -> bool:
+    """Whether a composed ``candidate`` leaves :data:`CLEAR` of the device and of the host budget free."""
+    device = candidate.peak_bytes + candidate.device_overhead_bytes <= (1 - CLEAR) * capacity
+    return device and (host_budget is None or candidate.host_bytes <= (1 - CLEAR) * host_budget)
 
 
 def uniform_blocks(config: Any) -> bool:

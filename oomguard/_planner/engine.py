@@ -16,7 +16,7 @@ step, so the optimizer state is resident as in any step but the first.
 
 Where it can build the model with fewer blocks (``dry_run``'s ``shallow``), a deep model's plans are measured on
 one- and two-block copies (up to four where layers stream) and composed (:mod:`oomguard._planner.compose`), and
-only the recommendation is measured with a full step.
+only the recommendation is measured with a full step, where it comes within 3 % of the device or the host budget.
 """
 
 from __future__ import annotations
@@ -134,6 +134,7 @@ def dry_run(
         fake_steps=bench.steps + (composed.steps if composed is not None else 0),
         complete=budget.complete,
         composed=composed is not None and composed.made > 0 and not composed.refuted,
+        confirmed=composed is not None and composed.confirmed and not composed.refuted,
     )
 
 
@@ -165,7 +166,9 @@ def _planned(
             # the caller takes nothing of this one's)
             if composed is not None and budget.complete:
                 bench.every_parameter_steps = bench.every_parameter_steps or composed.stepped_every_parameter()
-                if not confirm(bench, composed.composed):
+                confirmed = confirm(bench, composed.composed)
+                composed.confirmed = confirmed.measured
+                if not confirmed.stands:
                     composed.refuted = True  # (the walk followed a wrong composition: walked again, in full)
                     budget = _again(bench, ladder, context, plans, search_around, bf16, search_seconds)
         finally:

@@ -3,13 +3,15 @@ plan's step measures (each phase's peak, the phase that first passed the budget,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from oomguard._backends.accounting import AccountedDevice
 from oomguard._backends.memory import nbytes
 from oomguard._ladder.plan import Phase
+from oomguard._planner.regions import BEFORE, Regions
 
 __all__ = ["Probe"]
 
@@ -18,7 +20,8 @@ _UNLIMITED = 2**62
 
 class Probe(AccountedDevice):
     """An unlimited simulated device that notes in which phase usage first passed ``budget``, and the peak of
-    each phase. ``phase`` must not hold the runner: the probe's storage finalizers outlive the dry run."""
+    each phase (in each region of it, :meth:`regions`). ``phase`` must not hold the runner: the probe's storage
+    finalizers outlive the dry run."""
 
     def __init__(self, budget: int, phase: Callable[[], Phase], micro_batch: Callable[[], int]) -> None:
         super().__init__(_UNLIMITED, name="planner", on_allocate=self._note)
@@ -26,9 +29,11 @@ class Probe(AccountedDevice):
         self.per_micro_batch = self.per_step = 0  # host<->device bytes of the step measured now
         self.beside = 0  # of ``per_micro_batch``: device-to-host copies a side stream runs beside the compute
         self.crossed: Phase | None = None
-        #: Peak by phase and micro-batch (a micro-batch's forward, its backward; then clipping, the optimizer step).
-        self.phase_peaks: dict[tuple[Phase, int], int] = {}
+        #: Peak by phase and micro-batch (a micro-batch's forward, its backward; then clipping, the optimizer step),
+        #: and region of the phase (:mod:`oomguard._planner.regions`: before, inside or past the model's blocks).
+        self.phase_peaks: dict[tuple[Phase, int, int], int] = {}
         self._phase_of, self._micro_batch = phase, micro_batch
+        self._region: Callable[[], int] = lambda: BEFORE
 
     def start(self) -> int:
         """Measure a new step from here; returns what is resident now."""
@@ -36,6 +41,21 @@ class Probe(AccountedDevice):
         self.crossed, self.phase_peaks = None, {}
         self.per_micro_batch = self.per_step = self.beside = 0
         return self.memory_allocated()
+
+    @contextlib.contextmanager
+    def regions(self, blocks: Sequence[torch.nn.Module]) -> Iterator[None]:
+        """Each phase's peak kept per region of it (before, inside or past ``blocks``) for what runs inside."""
+        with Regions(blocks, self.pass_key).marking() as regions:
+            self._region = regions
+            try:
+                yield
+            finally:
+                self._region = lambda: BEFORE
+
+    def pass_key(self) -> tuple[Phase, int]:
+        """The phase now, and the micro-batch of a forward or backward (0 for the rest)."""
+        phase = self._phase_of()
+        return phase, self._micro_batch() if phase in (Phase.FORWARD, Phase.BACKWARD) else 0
 
     def transfers(self, micro_batches_run: int, micro_batches: int) -> int:
         """Host<->device bytes of a whole step with ``micro_batches``, from a run of ``micro_batches_run``: what
@@ -76,8 +96,8 @@ class Probe(AccountedDevice):
 
     def _note(self, allocated: int) -> None:
         """The ``on_allocate`` observer: after every allocation, and every resize of a tracked storage."""
-        phase = self._phase_of()
-        key = (phase, self._micro_batch() if phase in (Phase.FORWARD, Phase.BACKWARD) else 0)
+        phase, micro_batch = self.pass_key()
+        key = (phase, micro_batch, self._region())
         self.phase_peaks[key] = max(self.phase_peaks.get(key, 0), allocated)
         if self.crossed is None and allocated > self.budget:
             self.crossed = phase

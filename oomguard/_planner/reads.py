@@ -15,8 +15,10 @@ leaves the step unplannable, as before.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -40,6 +42,12 @@ _NONZERO = torch.ops.aten.nonzero.default
 _INDEX = torch.ops.aten.index.Tensor  # x[mask]: the mask's true positions (its nonzero) index x
 
 
+class Counter(Protocol):
+    """What counts the operations dispatched (:class:`~oomguard._planner.speed.FlopCount`)."""
+
+    def note(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None: ...
+
+
 class PlaceholderReads(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Answers each read of a fake tensor's value with ``1.0``, ``1`` or ``False`` (by its dtype), and a boolean
     mask's ``nonzero`` with every index; counts them.
@@ -58,12 +66,30 @@ class PlaceholderReads(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         self.deadline = deadline  # a time.monotonic() past which every operation raises DryRunLimit
         self._step_reads = self._ops = 0
         self._over: str | None = None  # why the bound was reached: every later operation raises too
+        self._counter: Counter | None = None
+
+    @contextlib.contextmanager
+    def counting(self, counter: Counter) -> Iterator[None]:
+        """``counter`` told every operation dispatched inside, as a mode of its own entered inside this one would
+        be, without the cost of one more mode: each costs about as much as the operation itself on fake tensors."""
+        self._counter = counter
+        try:
+            yield
+        finally:
+            self._counter = None
 
     def new_step(self) -> None:
         """A new dry-run step begins: its reads are counted from zero."""
         self._step_reads = 0
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = self._answer(func, args, kwargs)
+        if self._counter is not None:
+            self._counter.note(func, args, kwargs, out)
+        return out
+
+    def _answer(self, func: torch._ops.OpOverload, args: Any, kwargs: dict[str, Any]) -> Any:
         self._ops += 1
         late = self.deadline is not None and self._ops % _CLOCK_EVERY == 0 and time.monotonic() > self.deadline
         if self._over is None and late:
@@ -94,7 +120,7 @@ class PlaceholderReads(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
                 else:
                     indices.append(index)
             return func(args[0], indices)
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 def _is_mask(index: torch.Tensor | None) -> bool:

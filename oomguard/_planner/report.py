@@ -124,9 +124,12 @@ class PlanReport:
     fake_steps: int = 0
     #: False: the search ran out of its time (``search_seconds``) before it measured every configuration.
     complete: bool = True
-    #: True: the candidates' figures were composed from steps of shallow copies of the model, and the recommended
-    #: plan's measured with a full step (:mod:`oomguard._planner.compose`); False: every candidate was measured so.
+    #: True: the candidates' figures were composed from steps of shallow copies of the model
+    #: (:mod:`oomguard._planner.compose`); False: every candidate was measured with a full step.
     composed: bool = False
+    #: Of a composed report: the recommended plan was measured with a full step, as it came within
+    #: :data:`~oomguard._planner.compose.CLEAR` of the device or the host budget (composed, it stands as it is).
+    confirmed: bool = False
 
     @property
     def baseline_peak_bytes(self) -> int:
@@ -190,6 +193,7 @@ class PlanReport:
             "seconds": round(self.seconds, 2),
             "fake_steps": self.fake_steps,
             "composed": self.composed,
+            "confirmed": self.confirmed,
         }
 
     def table(self) -> str:
@@ -226,7 +230,9 @@ class PlanReport:
                 f"of {format_bytes(self.capacity_bytes)}, {format_bytes(chosen.host_bytes)} of host memory; the "
                 f"fastest fitting plan by the device model ({chosen.predicted_seconds:.2f} s a step)."
             )
-        how = "composed from 1- to 4-block steps, the recommendation confirmed in full" if self.composed else "full"
+        how = "full" if not self.composed else "composed from 1- to 4-block steps, the recommendation " + (
+            "measured in full" if self.confirmed else "clear of the device and host by 3 % or more"
+        )
         lines.append(f"(planned in {self.seconds:.1f} s on fake tensors: {self.fake_steps} steps, {how})")
         return "\n".join(lines)
 

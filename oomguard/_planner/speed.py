@@ -67,6 +67,12 @@ class FlopCount(TorchDispatchMode):  # type: ignore[misc]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.note(func, args, kwargs, out)
+        return out
+
+    def note(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        """Count one operation dispatched, whose result is ``out``: what the mode does with each, for another mode
+        that counts them beside its own work (:meth:`~oomguard._planner.reads.PlaceholderReads.counting`)."""
         self.ops += 1
         count = flop_registry.get(func._overloadpacket)
         if count is not None:
@@ -74,7 +80,6 @@ class FlopCount(TorchDispatchMode):  # type: ignore[misc]
             self.total += flops
             if self._window is not None and self._window():
                 self.window += flops
-        return out
 
 
 @dataclass(frozen=True)
