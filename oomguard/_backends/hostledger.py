@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, KeysView
+from collections.abc import Callable, Iterable, Iterator, KeysView
 
 import torch
 
@@ -58,6 +58,8 @@ class HostLedger:
         self._tracked: dict[int, int] = {}  # id(storage) -> counted bytes
         self._fail_in: int | None = None  # host allocations left before an injected failure
         self._lock = threading.RLock()  # re-entrant: a finalizer may run inside any allocation (see accounting)
+        #: Told the bytes allocated after each allocation and growth (the planner's probe keeps a peak per phase).
+        self.observer: Callable[[int], None] | None = None
 
     def __contains__(self, key: object) -> bool:
         return key in self._tracked
@@ -124,7 +126,7 @@ class HostLedger:
                 weakref.finalize(storage, _release, weakref.ref(self), key)
             self.allocated += sum(sizes)
             self.allocations += sum(1 for size in sizes if size)
-            self.peak = max(self.peak, self.allocated)
+            self._grown()
 
     def size_of(self, key: int) -> int:
         """The bytes counted for the host storage ``key`` (0 if it is not one)."""
@@ -142,7 +144,12 @@ class HostLedger:
                 self.allocations += 1
             self._tracked[key] = nbytes
             self.allocated += extra
-            self.peak = max(self.peak, self.allocated)
+            self._grown()
+
+    def _grown(self) -> None:
+        self.peak = max(self.peak, self.allocated)
+        if self.observer is not None:
+            self.observer(self.allocated)
 
     def release(self, key: int) -> None:
         with self._lock:

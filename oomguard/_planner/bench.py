@@ -73,7 +73,8 @@ class StepBench:
             with self._own_model():
                 self.probe.adopt(self.runner.model, tensors_of_batch(self.batch))
                 if self.every_parameter_steps:
-                    self._optimizer_warm_up()
+                    self.steps += 1
+                    self._optimizer_step(Plan())
                 else:
                     self.run(split_batch(self.batch, 1)[0], Plan())
 
@@ -84,18 +85,19 @@ class StepBench:
         trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         return self.warmed and all(optimizer.state.get(p) for p in trained)
 
-    def _optimizer_warm_up(self) -> None:
-        """The warm-up step's optimizer step, on zero gradients of every parameter it trains, through the runner's
-        one way to step: the same optimizer state as a whole warm-up step makes, without its forward and backward
-        (a fake step costs per operation: a deep model's warm-up costs a full step's dispatches)."""
+    def _optimizer_step(self, plan: Plan) -> None:
+        """An optimizer step of ``plan`` on zero gradients of every parameter it trains, through the runner's one way
+        to step. As the warm-up's: the same optimizer state as a whole warm-up step makes, without its forward and
+        backward (a fake step costs per operation: a deep model's warm-up costs a full step's dispatches). Before a
+        step of a plan that offloads the optimizer state: the host buffers its steps reuse, as every step but the
+        plan's first begins with them (whatever plans the bench measured before)."""
         optimizer = self.runner.optimizer
         trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        self.steps += 1
         with self.active():
             try:
                 for parameter in trained:
                     parameter.grad = torch.zeros_like(parameter)
-                self.runner.optimizer_step(Plan(), self.probe)
+                self.runner.optimizer_step(plan, self.probe)
             finally:
                 self.runner.zero_grad()
                 for parameter in trained:
@@ -136,6 +138,8 @@ class StepBench:
         self.warm()
         with self._own_model(), self.active():
             self.runner.effects.apply(plan, probe)  # as in any step but the plan's first: offloaded state moved
+            if plan.optimizer_offload is True:
+                self._optimizer_step(plan)  # (and its host buffers made)
             self.runner.transaction.release_host_copies()  # (the journal's copies are added by judge)
             base = probe.start()
             batch = two_micro_batches(self.batch, plan, self.size)
@@ -152,6 +156,7 @@ class StepBench:
             uploaded=self.runner.effects.uploaded_beside,
             flops=counted.total * parts / run, ops=counted.ops * parts / run,
             early=self.runner.effects.stepped_early, window=counted.window,
+            hosts=tuple(probe.host_peaks.items()), host_base=probe.host_start,
         )  # fmt: skip
 
     def judge(self, plan: Plan, trace: Trace) -> Candidate:

@@ -65,6 +65,10 @@ class Trace:
     ops: float  # operations dispatched in the whole step
     early: int = 0  # parameters (elements) stepped on the host during the last backward (the master level's)
     window: float = 0.0  # matrix FLOPs of the last micro-batch's backward: what those host steps run beside
+    #: The host's peak in each phase and region where it grew (as ``phases``), and what it held when the step began:
+    #: ``host`` is the largest of them. Composed each on its own, as the device's are.
+    hosts: tuple[tuple[tuple[Phase, int, int], int], ...] = ()
+    host_base: int = 0
 
     @property
     def peak(self) -> int:
@@ -139,10 +143,19 @@ def compose(traces: list[tuple[Trace, float]], budget: int) -> Trace:
     def phase_peak(key: tuple[Phase, int, int]) -> Callable[[Trace], float]:
         return lambda trace: dict(trace.phases).get(key, trace.base)
 
+    def host_peak(key: tuple[Phase, int, int]) -> Callable[[Trace], float]:
+        return lambda trace: dict(trace.hosts)[key]
+
     phases = tuple((key, rounded(phase_peak(key))) for key, _ in traces[-1][0].phases)
     crossed = next((phase for (phase, *_), peak in phases if peak > budget), None)
+    # (the host's figures per region, where every shallow step's host grew in the same ones; else its peak's line)
+    keys = [dict(trace.hosts).keys() for trace, _ in traces]
+    alike = all(key == keys[0] for key in keys)
+    hosts = tuple((key, rounded(host_peak(key))) for key in keys[0]) if alike else ()
+    host_base = rounded(lambda t: t.host_base)
+    host = max([host_base, *(peak for _, peak in hosts)]) if alike else rounded(lambda t: t.host)
     return Trace(
-        base=rounded(lambda t: t.base), phases=phases, crossed=crossed, host=rounded(lambda t: t.host),
+        base=rounded(lambda t: t.base), phases=phases, crossed=crossed, host=host, hosts=hosts, host_base=host_base,
         journal=rounded(lambda t: t.journal), transfers=rounded(lambda t: t.transfers),
         overlapped=rounded(lambda t: t.overlapped), uploaded=rounded(lambda t: t.uploaded),
         flops=max(0.0, total(lambda t: t.flops)), ops=max(0.0, total(lambda t: t.ops)),

@@ -32,13 +32,17 @@ class Probe(AccountedDevice):
         #: Peak by phase and micro-batch (a micro-batch's forward, its backward; then clipping, the optimizer step),
         #: and region of the phase (:mod:`oomguard._planner.regions`: before, inside or past the model's blocks).
         self.phase_peaks: dict[tuple[Phase, int, int], int] = {}
+        self.host_peaks: dict[tuple[Phase, int, int], int] = {}  # the same of host memory
+        self.host_start = 0  # host memory held when the step began
+        self._host.observer = self._note_host
         self._phase_of, self._micro_batch = phase, micro_batch
         self._region: Callable[[], int] = lambda: BEFORE
 
     def start(self) -> int:
         """Measure a new step from here; returns what is resident now."""
         self.reset_peak_memory_stats()
-        self.crossed, self.phase_peaks = None, {}
+        self.crossed, self.phase_peaks, self.host_peaks = None, {}, {}
+        self.host_start = self.host_memory_allocated()
         self.per_micro_batch = self.per_step = self.beside = 0
         return self.memory_allocated()
 
@@ -94,10 +98,19 @@ class Probe(AccountedDevice):
         else:
             self.per_step += moved
 
+    def _key(self) -> tuple[Phase, int, int]:
+        phase, micro_batch = self.pass_key()
+        return phase, micro_batch, self._region()
+
+    def _note_host(self, allocated: int) -> None:
+        """The host ledger's observer: after every host allocation and growth."""
+        key = self._key()
+        self.host_peaks[key] = max(self.host_peaks.get(key, 0), allocated)
+
     def _note(self, allocated: int) -> None:
         """The ``on_allocate`` observer: after every allocation, and every resize of a tracked storage."""
-        phase, micro_batch = self.pass_key()
-        key = (phase, micro_batch, self._region())
+        key = self._key()
+        phase = key[0]
         self.phase_peaks[key] = max(self.phase_peaks.get(key, 0), allocated)
         if self.crossed is None and allocated > self.budget:
             self.crossed = phase
