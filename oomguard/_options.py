@@ -20,11 +20,11 @@ import torch
 
 from oomguard._backends.units import parse_bytes
 from oomguard._distributed.agreement import ddp_of, unwrap
-from oomguard._distributed.fsdp import check_sharded
 from oomguard._effects.base import EffectTarget
 from oomguard._effects.blocks import find_blocks
 from oomguard._effects.effects import Effects
 from oomguard._effects.hoststep import HOST_STEPS, HostStep
+from oomguard._effects.sharding import check_sharded
 from oomguard._effects.transaction import JournalMode, OptimizerTransaction, Scheduler
 from oomguard._errors import GuardConfigError
 from oomguard._events import EventSink

@@ -54,7 +54,9 @@ def measure(make: Any, plans: list[Plan], composed: bool, target: str = "cuda", 
     """Every plan's candidate, measured on fake tensors with full steps or composed from shallow ones (a batch of
     4 x 32 tokens, or of ``batch``: each key's shape)."""
     with FakeTensorMode():
-        batch = lm_batch(4, 32) if batch is None else {key: torch.zeros(shape, dtype=torch.long) for key, shape in batch}
+        batch = (
+            lm_batch(4, 32) if batch is None else {key: torch.zeros(shape, dtype=torch.long) for key, shape in batch}
+        )
 
         def build(layers: int) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
             model = make(layers)

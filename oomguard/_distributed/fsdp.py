@@ -72,14 +72,13 @@ try:
 except ImportError:  # (an older torch: check_sharded refuses FSDP2 there)
     FSDPModule = AllGather = ReduceScatter = DTensor = object  # type: ignore[assignment,misc]
 
-from oomguard._distributed.agreement import Agreement, Verdict, distributed_active
+from oomguard._distributed.agreement import Agreement, Verdict
 from oomguard._distributed.peers import Outcome, failure_outcome, peer_failure
-from oomguard._effects.sharding import is_fsdp
-from oomguard._errors import GuardConfigError
+from oomguard._effects.sharding import check_sharded, is_fsdp
 from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Phase, Plan
 
-__all__ = ["FSDPAgreement", "agreement_for", "check_sharded", "fsdp_modules", "is_fsdp"]
+__all__ = ["FSDPAgreement", "check_sharded", "fsdp_modules", "is_fsdp"]
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
@@ -91,36 +90,6 @@ def _roots(model: torch.nn.Module) -> list[FSDPModule]:
     """The FSDP modules with no FSDP module above them (the model itself, where ``fully_shard`` wrapped it)."""
     inner = {id(child) for module in fsdp_modules(model) for child in list(module.modules())[1:]}  # type: ignore[attr-defined]
     return [module for module in fsdp_modules(model) if id(module) not in inner]
-
-
-#: What the guard needs of torch's FSDP2: its gated comms and the reset after a failed attempt.
-_NEEDS = ("set_custom_all_gather", "set_custom_reduce_scatter", "reset_iter_state")
-
-
-def check_sharded(model: torch.nn.Module) -> None:
-    """Refuse what the guard cannot keep safe: FSDP1, and FSDP2 on a torch without what the guard needs."""
-    for module in model.modules():
-        if type(module).__name__ == "FullyShardedDataParallel":
-            raise GuardConfigError(
-                "the model contains FullyShardedDataParallel (FSDP1), which oomguard does not support: an OOM inside "
-                "its flat-parameter collectives could hang the other ranks. Shard with FSDP2 instead "
-                "(torch.distributed.fsdp.fully_shard per block, then on the root), or use DistributedDataParallel"
-            )
-    if is_fsdp(model) and not all(hasattr(FSDPModule, name) for name in _NEEDS):
-        raise GuardConfigError(
-            f"the model is sharded with fully_shard (FSDP2), which oomguard guards with torch 2.13 or newer "
-            f"(FSDPModule.{', '.join(_NEEDS)}); this is torch {torch.__version__}. Upgrade torch, or use "
-            f"DistributedDataParallel"
-        )
-
-
-def agreement_for(model: torch.nn.Module, device: torch.device, ladder: Ladder) -> Agreement | None:
-    """The agreement protocol for ``model`` (None: a single process, nothing to agree): with FSDP's collectives
-    gated where ``fully_shard`` wrapped it. An FSDP2 model on a process group of one gets it too, for its
-    micro-batching and for the reset of FSDP's state after a failed attempt (its gates agree with itself)."""
-    if is_fsdp(model) and dist.is_available() and dist.is_initialized():
-        return FSDPAgreement(model, device, ladder)
-    return Agreement(device, ladder) if distributed_active() else None
 
 
 def _in_backward() -> bool:

@@ -21,6 +21,7 @@ import weakref
 from typing import Any, cast
 
 import torch
+from torch._compile import _disable_dynamo
 from torch.nn import functional
 
 from oomguard._effects.chunked_ce import ChunkSpec, chunk_rows, chunked_cross_entropy, needs_of
@@ -213,8 +214,10 @@ class _LazyHead:
 
     # Run eagerly under torch.compile: dynamo cannot trace the making of a wrapper subclass and would break its
     # graph here anyway, with a warning that asks the user to file an issue; this says it is meant. The layers
-    # before the head and the code after the loss still compile.
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    # before the head and the code after the loss still compile. (torch's own lazy form of torch.compiler.disable:
+    # the decorator imports torch._dynamo, and torch's FSDP through it, about a second of every `import oomguard`;
+    # this one imports it at the first call, where a process that compiles has it already.)
+    @_disable_dynamo
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.head
         dtype = compute_dtype(hidden, head.weight)  # read now: the planner swaps fakes in for the parameters
@@ -232,7 +235,7 @@ class _ChunkedLossFunction:
 
     # Eager under torch.compile, as the head is: the chunks' local autograd (``torch.autograd.grad`` under saved
     # tensor hooks) is not traceable, and its allocations stay ordinary ops the simulator and the planner count.
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    @_disable_dynamo
     def __call__(
         self,
         logits: torch.Tensor,

@@ -21,7 +21,7 @@ from oomguard._backends.accounting import AccountedDevice
 from oomguard._backends.host import host_budget
 from oomguard._backends.memory import MemoryBackend, current_backend, snapshot
 from oomguard._distributed.agreement import unwrap
-from oomguard._distributed.fsdp import agreement_for
+from oomguard._distributed.choice import agreement_for
 from oomguard._errors import GuardConfigError
 from oomguard._events import Event, JsonlSink, ProgressEvent, StateFileEvent
 from oomguard._guard.attempts import OneCallAtATime, ReplayFailed, Run, Tail, agreed, in_replay, undoable

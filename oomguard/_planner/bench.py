@@ -145,9 +145,9 @@ class StepBench:
             batch = two_micro_batches(self.batch, plan, self.size)
             last = _last_backward(self.runner, plan.micro_batches(batch_size(batch)) - 1)
             counted = FlopCount(window=last)
-            with self.reads.counting(counted), eliding(_repeating(counted)):
-                with probe.regions(stack(self.runner.effects.target)):
-                    self.run(batch, plan)
+            regions = probe.regions(stack(self.runner.effects.target))
+            with self.reads.counting(counted), eliding(_repeating(counted)), regions:
+                self.run(batch, plan)
         run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
         return Trace(
             base=base, phases=tuple(probe.phase_peaks.items()), crossed=probe.crossed,

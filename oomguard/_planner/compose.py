@@ -302,9 +302,9 @@ def confirm(deep: Deep, composed: list[Candidate]) -> Confirmed:
         composed.remove(fitting[0])
         measured = True
         where = next(i for i, c in enumerate(deep.candidates) if c is fitting[0])
-        measured, _ = deep.measure(fitting[0].plan)
+        full, _ = deep.measure(fitting[0].plan)
         deep.candidates[where] = deep.candidates.pop()  # (measure appended it)
-        if measured.fits:
+        if full.fits:
             return Confirmed(True, True)
         refuted = True
 

@@ -230,8 +230,11 @@ class PlanReport:
                 f"of {format_bytes(self.capacity_bytes)}, {format_bytes(chosen.host_bytes)} of host memory; the "
                 f"fastest fitting plan by the device model ({chosen.predicted_seconds:.2f} s a step)."
             )
-        how = "full" if not self.composed else "composed from 1- to 4-block steps, the recommendation " + (
-            "measured in full" if self.confirmed else "clear of the device and host by 3 % or more"
+        how = (
+            "full"
+            if not self.composed
+            else "composed from 1- to 4-block steps, the recommendation "
+            + ("measured in full" if self.confirmed else "clear of the device and host by 3 % or more")
         )
         lines.append(f"(planned in {self.seconds:.1f} s on fake tensors: {self.fake_steps} steps, {how})")
         return "\n".join(lines)
