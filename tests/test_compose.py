@@ -326,18 +326,25 @@ def test_a_model_of_its_own_blocks_is_composed_from_two_and_three_and_exactly() 
     assert depths == [2, 3] and built == full
 
 
+def counting_deep_forwards(forwards: list[int]) -> Any:
+    """A maker of Llamas of ``n`` layers (step function, model, optimizer: ``dry_run``'s ``shallow``) whose deep
+    model's forwards are counted in ``forwards``: the full steps it runs (call it in a ``FakeTensorMode``)."""
+
+    def build(layers: int) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
+        model = make_llama(layers=layers, hidden=32)
+        if layers == LAYERS:
+            model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        return (lambda b: model(**b)), model, torch.optim.AdamW(model.parameters(), foreach=True)
+
+    return build
+
+
 def test_a_search_cut_short_by_its_time_confirms_nothing(always_confirmed: None) -> None:
     """Tuning's search runs over several calls; a call whose search stops for time gives nothing to the guard, so
     its dry run runs no full step of the deep model (the call that completes the search confirms its answer)."""
     forwards: list[int] = []
+    build = counting_deep_forwards(forwards)
     with FakeTensorMode():
-
-        def build(layers: int) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
-            model = make_llama(layers=layers, hidden=32)
-            if layers == LAYERS:
-                model.register_forward_pre_hook(lambda *_: forwards.append(1))
-            return (lambda b: model(**b)), model, torch.optim.AdamW(model.parameters(), foreach=True)
-
         step, model, optimizer = build(LAYERS)
         common = {"model": model, "optimizer": optimizer, "target": "simulated", "label": "llama", "shallow": build}
         plain = dry_run(step, lm_batch(4, 32), capacity=2**40, plans=[Plan()], **common)
@@ -412,14 +419,8 @@ def test_a_composed_recommendation_is_measured_in_full_only_within_its_margin_of
 
     def planned(capacity: int) -> tuple[Any, int]:
         forwards: list[int] = []
+        build = counting_deep_forwards(forwards)
         with FakeTensorMode():
-
-            def build(layers: int) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
-                model = make_llama(layers=layers, hidden=32)
-                if layers == LAYERS:
-                    model.register_forward_pre_hook(lambda *_: forwards.append(1))
-                return (lambda b: model(**b)), model, torch.optim.AdamW(model.parameters(), foreach=True)
-
             step, model, optimizer = build(LAYERS)
             report = dry_run(
                 step, lm_batch(4, 32), model=model, optimizer=optimizer, capacity=capacity, target="simulated",
