@@ -30,7 +30,7 @@ def is_fsdp(model: torch.nn.Module) -> bool:
     was never imported: it is not imported here (about a second, at every start of ``oomguard plan``)."""
     if _FSDP not in sys.modules:
         return False
-    kind = getattr(sys.modules[_FSDP], "FSDPModule", None)
+    kind = _fsdp_module()
     if kind is None:
         return any(type(module).__name__.startswith("FSDP") for module in model.modules())
     return any(isinstance(module, kind) for module in model.modules())
@@ -45,13 +45,17 @@ def check_sharded(model: torch.nn.Module) -> None:
                 "its flat-parameter collectives could hang the other ranks. Shard with FSDP2 instead "
                 "(torch.distributed.fsdp.fully_shard per block, then on the root), or use DistributedDataParallel"
             )
-    kind = getattr(sys.modules.get(_FSDP), "FSDPModule", None)
-    if is_fsdp(model) and not all(hasattr(kind, name) for name in _NEEDS):
+    if is_fsdp(model) and not all(hasattr(_fsdp_module(), name) for name in _NEEDS):
         raise GuardConfigError(
             f"the model is sharded with fully_shard (FSDP2), which oomguard guards with torch 2.13 or newer "
             f"(FSDPModule.{', '.join(_NEEDS)}); this is torch {torch.__version__}. Upgrade torch, or use "
             f"DistributedDataParallel"
         )
+
+
+def _fsdp_module() -> type | None:
+    """torch's ``FSDPModule``, where its FSDP was imported and names it."""
+    return getattr(sys.modules.get(_FSDP), "FSDPModule", None)
 
 
 def sharded_fact(target: EffectTarget) -> Mapping[str, Any]:

@@ -64,8 +64,9 @@ class Helper:
     def close(self) -> None:
         """Let the process end (it drops what it measured)."""
         with contextlib.suppress(OSError, EOFError):
-            while self.pending:  # (an error in the parent left answers unread: the helper ends after them)
-                self.receive()
+            while self.pending:  # (an error in the parent left answers unread, errors among them: dropped)
+                self._connection.recv()
+                self.pending -= 1
         with contextlib.suppress(OSError, ValueError):
             self._connection.send(None)
         self._connection.close()
