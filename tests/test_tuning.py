@@ -243,6 +243,26 @@ def test_a_search_out_of_time_goes_on_where_it_stopped_and_finds_what_one_search
     assert not any(budget.complete for _, budget in runs[:-1])
 
 
+def test_a_search_starts_no_measurement_it_expects_to_end_past_its_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each measurement takes 0.3 s on a clock the test moves; with 1 s for the search, a third would start at
+    0.6 s and end at 0.9 s, a fourth at 1.2 s: past the time, so it is not started (the call that searches takes
+    its step and about the time given, not one more measurement past it)."""
+    clock = [100.0]
+    monkeypatch.setattr("oomguard._planner.search.time.monotonic", lambda: clock[0])
+
+    def measure(plan: Plan) -> Any:
+        clock[0] += 0.3
+        return type("Measured", (), {"fits": False})()
+
+    budget = SearchBudget(1.0)
+    fits = budget.fits(measure, lambda _: None)
+    started = 0
+    while budget.more():
+        fits(Plan(micro_batch_size=started + 1))
+        started += 1
+    assert started == 3 and not budget.complete
+
+
 def test_tuning_whose_search_takes_several_calls_trials_the_same_plans_and_stays_exact(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -33,7 +33,7 @@ from oomguard._ladder.plan import Plan
 from oomguard._ladder.rungs import Rung, RungContext
 from oomguard._planner.report import Candidate
 
-__all__ = ["SearchBudget", "configurations", "halvings", "inexact", "largest_fitting", "search"]
+__all__ = ["SearchBudget", "configurations", "deepest_exact", "halvings", "inexact", "largest_fitting", "search"]
 
 #: At most this many fake steps per search (each is a fraction of a second for a small model, seconds for 1B).
 MAX_MEASUREMENTS = 40
@@ -54,6 +54,18 @@ def configurations(around: Plan, ladder: Ladder, context: RungContext) -> list[t
             plan = rung.at_level(plan, level, size)
         found.append((levels, plan))
     return sorted(found, key=lambda item: sum(item[0]))
+
+
+def deepest_exact(around: Plan, ladder: Ladder, context: RungContext) -> Plan:
+    """``around`` with every exact rung the search trades at every level (checkpointing, activation offload, the
+    chunked loss) at the deepest level it reaches; the rest (precision, what is offloaded, the micro-batch) as
+    ``around`` has them: the configuration that relieves the most activation memory without changing the maths
+    or moving state."""
+    plan = around
+    for rung in ladder.rungs:
+        if rung is not ladder.sizing and rung.trade == "levels" and rung.exact:
+            plan = rung.at_level(plan, _levels(rung, plan, context)[-1], context.batch_size)
+    return plan
 
 
 def inexact(ladder: Ladder) -> int:
@@ -95,19 +107,21 @@ def _always() -> bool:
 
 
 class SearchBudget:
-    """What one dry run of a search may spend: no new measurement starts ``seconds`` after it began (but its
-    first), and a plan measured by an earlier dry run of the same search (``known``, kept by the caller and added
-    to here) is not run again. A search that stopped for time (``complete`` False) is run again later, from the
-    start: it makes the same choices, answered from ``known`` this time, and goes on where it stopped."""
+    """What one dry run of a search may spend: no new measurement starts (but its first) that would end more than
+    ``seconds`` after it began, by the time the measurements so far took on average; and a plan measured by an
+    earlier dry run of the same search (``known``, kept by the caller and added to here) is not run again. A
+    search that stopped for time (``complete`` False) is run again later, from the start: it makes the same
+    choices, answered from ``known`` this time, and goes on where it stopped."""
 
     def __init__(self, seconds: float | None, known: dict[Plan, Candidate] | None = None) -> None:
         self.known = {} if known is None else known
         self.deadline = None if seconds is None else time.monotonic() + seconds
         self.new, self.complete = 0, True
+        self._spent = 0.0  # seconds the new measurements took
 
     def more(self) -> bool:
         """Whether the search may measure one more plan (:func:`search`'s ``more``)."""
-        if self.new and self.deadline is not None and time.monotonic() >= self.deadline:
+        if self.new and self.deadline is not None and time.monotonic() + self._spent / self.new > self.deadline:
             self.complete = False
         return self.complete
 
@@ -119,8 +133,9 @@ class SearchBudget:
             if plan in self.known:
                 known(self.known[plan])
             else:
-                self.new += 1
+                started = time.monotonic()
                 self.known[plan] = measure(plan)
+                self.new, self._spent = self.new + 1, self._spent + time.monotonic() - started
             return self.known[plan].fits
 
         return at
