@@ -360,3 +360,34 @@ def test_tinyllama_at_8_x_1024_is_planned_within_two_minutes() -> None:
     fitting = [c for c in report.candidates if c.fits]
     assert report.recommended == min(fitting, key=lambda c: c.predicted_seconds).plan
     assert report.recommended is not None and report.recommended.optimizer_offload == "master"
+
+
+#: The demo's Llama (oomguard.testing.demo_model), as a config the planner builds: width 64, a byte vocabulary.
+SMALL_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 168,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 128,
+               "tie_word_embeddings": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("capacity", "expected"),
+    [  # (0.58x and 0.3x the plain step's peak on 16 x 64 tokens, 16.3 MB)
+        (9_476_587, "whole batch, chunked loss, full checkpointing, activations offloaded"),
+        (4_901_683, "micro-batches of 4 (x4), chunked loss, full checkpointing, activations offloaded"),
+    ],
+)
+def test_a_small_model_is_split_into_no_more_micro_batches_than_its_exact_rungs_leave_needed(
+    capacity: int, expected: str
+) -> None:
+    """The ladder splits the batch before it recomputes or offloads activations; on a small model each micro-batch
+    costs more than the work it holds. Before splitting, the walk measures the whole batch with checkpointing and
+    activation offload as deep as they go (with room for it: it fits, and the walk ends there); where it does not
+    fit, the same configuration at the largest micro-batch that fits, beside the walk's own plan."""
+    report = plan({**SMALL_LLAMA, "num_hidden_layers": 2}, gpu_memory=capacity, batch_size=16, seq_len=64,
+                  target="simulated", host_memory="8GiB")  # fmt: skip
+    assert report.recommended is not None and report.recommended.describe(16) == expected
+    split = [c for c in report.candidates if c.plan.micro_batches(16) > 1 and c.plan.checkpointing is None]
+    if report.recommended.micro_batches(16) == 1:
+        assert not split, "no micro-batch measured"
+    else:  # (the walk's own plan: micro-batches of 2, chunked loss)
+        walked = max((c for c in split if c.fits), key=lambda c: c.plan.effective_micro_batch_size(16))
+        assert walked.plan.micro_batches(16) == 8 and walked.predicted_seconds > report.candidates[-1].predicted_seconds

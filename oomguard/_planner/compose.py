@@ -172,6 +172,7 @@ class Deep(Protocol):
     capacity: int
     host_budget: int | None
     runner: Any
+    speed: Any
     candidates: list[Candidate]
 
     def measure(self, plan: Plan) -> tuple[Candidate, int]: ...
@@ -191,7 +192,7 @@ class Composed:
         self._fewest = 1 if is_transformers_model(deep.runner.effects.target.model) else 2  # (see points)
         self._helper: Helper | None = None
         self.batch, self.size, self.budget, self.runner = deep.batch, deep.size, deep.budget, deep.runner
-        self.candidates = deep.candidates
+        self.candidates, self.speed = deep.candidates, deep.speed
         self.benches: dict[int, Any] = {}
         #: The candidates composed so far (not measured in full); why composing stopped, if it did.
         self.composed: list[Candidate] = []

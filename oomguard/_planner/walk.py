@@ -12,10 +12,11 @@ from oomguard._ladder.plan import Phase, Plan
 from oomguard._ladder.predict import PeakModel
 from oomguard._ladder.rungs import Rung, RungContext
 from oomguard._planner.report import Candidate
-from oomguard._planner.search import halvings, largest_fitting
+from oomguard._planner.search import deepest_exact, halvings, largest_fitting
+from oomguard._planner.speed import DeviceSpeed
 from oomguard._step.batch import items_per_sample
 
-__all__ = ["Bench", "grow", "master_weights_instead", "walk"]
+__all__ = ["WORTH", "Bench", "fewer_micro_batches", "grow", "master_weights_instead", "walk"]
 
 
 class Bench(Protocol):
@@ -26,6 +27,7 @@ class Bench(Protocol):
     size: int
     budget: int
     runner: Any  # (its grad_bytes)
+    speed: DeviceSpeed
     candidates: list[Candidate]
 
     def measure(self, plan: Plan) -> tuple[Candidate, int]: ...
@@ -48,6 +50,7 @@ def walk(bench: Bench, ladder: Ladder, context: RungContext, start: Plan | None 
         measured, base = bench.measure(plan)
         if measured.fits:
             grow(plan, size, bench.candidates, bench.measure)
+            fewer_micro_batches(plan, bench, ladder, context)
             return
         # The host is short (the device may be too): another rung, from the plan before.
         if not measured.host_fits and came is not None and step is not None:
@@ -61,7 +64,57 @@ def walk(bench: Bench, ladder: Ladder, context: RungContext, start: Plan | None 
         phase = measured.phase or Phase.FORWARD
         came = (plan, dataclasses.replace(context, phase=phase, max_micro_batch=sized))
         step = ladder.next(*came, skip=refused)
+        if step is not None and step[0] is ladder.sizing and _exact_instead(measured, step[1], bench, ladder, context):
+            return
         plan = step[1] if step is not None else None
+
+
+#: The deepest exact configuration is measured where the micro-batches it could save might take this much of the
+#: step's predicted time (:func:`fewer_micro_batches`).
+WORTH = 0.1
+
+
+def fewer_micro_batches(fitting: Plan, bench: Bench, ladder: Ladder, context: RungContext) -> None:
+    """Where the walk stopped on micro-batches (``fitting``'s configuration): the same plan with every exact rung
+    that relieves activations as deep as it goes (:func:`~oomguard._planner.search.deepest_exact`), at the
+    largest micro-batch that fits.
+
+    The ladder splits the batch before it recomputes or offloads activations: on a large model each micro-batch
+    costs little beside its compute. On a small one each costs its launches (or, under a simulated device, its
+    dispatches): micro-batches of 2 of a 16-layer model of width 64 take 3x as long as the whole batch with its
+    activations offloaded. The candidate costs a fake step or two, so it is measured only where the micro-batches
+    it could save (at :class:`~oomguard._planner.speed.DeviceSpeed`'s fixed cost each) are :data:`WORTH` a tenth
+    of the step's predicted time."""
+    size, config = context.batch_size, fitting.replace(micro_batch_size=None)
+    same = [c for c in bench.candidates if c.fits and c.plan.replace(micro_batch_size=None) == config]
+    found = max(same, key=lambda c: c.plan.effective_micro_batch_size(size))  # (what grow found)
+    deepest = _deepest_worth(found, found.plan.micro_batches(size), bench, ladder, context)
+    if deepest is not None:  # (as much relief at every micro-batch: it fits where the walk's plan does)
+        grow(deepest.replace(micro_batch_size=found.plan.micro_batch_size), size, bench.candidates, bench.measure)
+
+
+def _exact_instead(whole: Candidate, split: Plan, bench: Bench, ladder: Ladder, context: RungContext) -> bool:
+    """Before the walk splits the ``whole`` batch (a candidate that did not fit) into micro-batches (``split``, as
+    the ladder sizes them), :func:`fewer_micro_batches`' candidate on the whole batch; whether it fits and is
+    predicted faster than any split of the whole batch could be (its work, and one more micro-batch's fixed cost
+    at least): the walk can end there."""
+    size = context.batch_size
+    deepest = None
+    if whole.plan.micro_batches(size) == 1:
+        deepest = _deepest_worth(whole, split.micro_batches(size), bench, ladder, context)
+    if deepest is None or deepest in {c.plan for c in bench.candidates}:
+        return False
+    measured, _ = bench.measure(deepest)
+    return measured.fits and measured.predicted_seconds <= whole.predicted_seconds + bench.speed.micro_batch_seconds
+
+
+def _deepest_worth(candidate: Candidate, parts: int, bench: Bench, ladder: Ladder, context: RungContext) -> Plan | None:
+    """:func:`~oomguard._planner.search.deepest_exact` of ``candidate``'s configuration, on the whole batch, where
+    it differs and ``parts`` micro-batches' fixed cost is :data:`WORTH` measuring it; else None."""
+    config = candidate.plan.replace(micro_batch_size=None)
+    deepest = deepest_exact(config, ladder, context)
+    saved = (parts - 1) * bench.speed.micro_batch_seconds
+    return None if deepest == config or saved < WORTH * candidate.predicted_seconds else deepest
 
 
 def master_weights_instead(tried: list[Candidate], ladder: Ladder, context: RungContext) -> Plan | None:
@@ -93,7 +146,8 @@ def grow(fitting: Plan, size: int, tried: list[Candidate], measure: Callable[[Pl
     config = fitting.replace(micro_batch_size=None)
     same = [c for c in tried if c.plan.replace(micro_batch_size=None) == config]
     failed = [c.plan.effective_micro_batch_size(size) for c in same if not c.fits]
-    low, high = fitting.effective_micro_batch_size(size), min(failed, default=size + 1)
+    fitted = [c.plan.effective_micro_batch_size(size) for c in same if c.fits]
+    low, high = max([fitting.effective_micro_batch_size(size), *fitted]), min(failed, default=size + 1)
     sizes = [s for s in halvings(size) if low < s < high]
     largest_fitting(sizes, lambda micro: bool(measure(config.replace(micro_batch_size=_size(micro, size)))[0].fits))
 
