@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass,
     is_traceable_wrapper_subclass_type,
 )
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from oomguard._backends.units import format_bytes
 
@@ -69,14 +69,27 @@ def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def cpu_storages(tree: Any) -> list[torch.UntypedStorage]:
-    """The storages of the strided CPU tensors in ``tree``: the only ones accounted."""
-    found = []
-    for leaf in tree_flatten(tree)[0]:
-        if not isinstance(leaf, torch.Tensor):
-            continue
+    """The storages of the strided CPU tensors in ``tree`` (an op's arguments or outputs): the only ones
+    accounted."""
+    found: list[torch.UntypedStorage] = []
+    for leaf in _tensors_in(tree, []):
         for tensor in plain_tensors(leaf):
             if tensor.device.type == "cpu" and tensor.layout == torch.strided:
                 found.append(tensor.untyped_storage())
+    return found
+
+
+def _tensors_in(tree: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in ``tree``, through its lists, tuples and dicts: an op's arguments and outputs hold nothing
+    else (``tree_flatten``'s registry of node types costs half the accounting of an op)."""
+    if isinstance(tree, torch.Tensor):
+        found.append(tree)
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            _tensors_in(item, found)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            _tensors_in(item, found)
     return found
 
 
@@ -84,6 +97,11 @@ def writes_and_allocates(func: torch._ops.OpOverload, args: Any) -> bool:
     """Whether the op both mutates its inputs and allocates: it must be sized before it runs."""
     if func in _UNANNOTATED_MUTATION or func in _BATCH_NORM_WITH_STATS:
         return len(args) > 5 and bool(args[5])  # running statistics change only in training mode
+    return _writes_and_returns_fresh(func)
+
+
+@functools.cache
+def _writes_and_returns_fresh(func: torch._ops.OpOverload) -> bool:
     schema = func._schema
     writes = any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments)
     return writes and any(ret.alias_info is None for ret in schema.returns)
