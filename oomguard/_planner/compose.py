@@ -268,7 +268,11 @@ class Composed:
 
     def _bench(self, blocks: int) -> Any:
         if blocks not in self.benches:
-            self.benches[blocks] = self._make(blocks)
+            bench = self._make(blocks)
+            # (where a copy's steps made state for every parameter, so do a deeper copy's, whose blocks are the
+            # same: its warm-up is then the optimizer step alone, not a whole step of its blocks)
+            bench.every_parameter_steps = bench.every_parameter_steps or self.stepped_every_parameter()
+            self.benches[blocks] = bench
         return self.benches[blocks]
 
 
