@@ -74,7 +74,10 @@ def test_llama_recovers_on_a_simulated_gpu_and_keeps_learning(tmp_path: Path) ->
         peak = gpu.max_memory_allocated()
     assert results[0].ooms >= 1, "the whole batch does not fit 4 MiB"
     assert sum(r.ooms for r in results[1:]) == 0, "the learned plan keeps fitting, Adam's state included"
-    assert all(r.rungs == ("chunked_loss", "micro_batch") and r.batch_size == 16 for r in results)
+    # (the whole batch, every exact rung that relieves activations engaged: on a model this small the micro-batches
+    # the ladder would split it into cost more than recomputing and offloading; see docs/planner.md)
+    exact = ("chunked_loss", "checkpointing", "activation_offload")
+    assert all(r.rungs == exact and r.micro_batches == 1 and r.batch_size == 16 for r in results)
     assert results[-1].loss < results[0].loss
     assert peak <= 4 * 2**20
     events = [json.loads(line) for line in log.read_text().splitlines()]

@@ -35,9 +35,9 @@ __all__ = ["DemoConfig", "add_arguments", "demo_model", "run"]
 @dataclass(frozen=True)
 class DemoConfig:
     """The demo's model and job sizes (:func:`demo_model` reads ``hidden_size``, ``layers``, ``heads``, ``seq_len``
-    and ``seed``; the rest size the job). The CPU defaults finish in well under a minute on two cores: the batch
-    fits the 3 MiB budget in micro-batches of 1, and the rare long batch only with bf16 and activation checkpointing
-    as well."""
+    and ``seed``; the rest size the job). The CPU defaults take about a minute on two cores: the batch fits the
+    3 MiB budget only in micro-batches (of 2, with bf16, activation checkpointing and offload), and the rare long
+    batch in micro-batches of 1."""
 
     steps: int = 24
     batch_size: int = 16
