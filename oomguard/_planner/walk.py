@@ -35,10 +35,12 @@ class Bench(Protocol):
 
 def walk(bench: Bench, ladder: Ladder, context: RungContext, start: Plan | None = None) -> None:
     """Down the ladder from ``start`` (the plain plan), as the guard would go after an OOM in the same phase,
-    until a plan fits; then the largest micro-batch that fits in its configuration. A plan the host has no room
-    for is left for what another rung makes of the plan before it, as the guard's walk leaves a rung whose host
-    memory is past the budget: the rungs after it would only add to the device's relief, not take from the host's
-    load (TinyLlama's offloaded state needs 20.5 GiB of host memory on every plan that walks on from it)."""
+    until a plan fits; then the largest micro-batch that fits in its configuration (and, on a small model, before
+    and after it splits the batch, the same configuration with its exact activation rungs as deep as they go:
+    :func:`fewer_micro_batches`). A plan the host has no room for is left for what another rung makes of the plan
+    before it, as the guard's walk leaves a rung whose host memory is past the budget: the rungs after it would
+    only add to the device's relief, not take from the host's load (TinyLlama's offloaded state needs 20.5 GiB of
+    host memory on every plan that walks on from it)."""
     size, grad_bytes = bench.size, bench.runner.grad_bytes
     peaks = PeakModel(margin=0.0)  # the measurements are exact: no safety margin on top of the overhead
     per_sample = items_per_sample(bench.batch, size)
