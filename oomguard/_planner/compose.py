@@ -31,6 +31,7 @@ from oomguard._ladder.plan import Phase, Plan
 from oomguard._planner.helper import Helper
 from oomguard._planner.reads import DryRunLimit
 from oomguard._planner.report import Candidate
+from oomguard._planner.speed import DeviceSpeed
 
 __all__ = ["CLEAR", "MIN_BLOCKS", "Composed", "Confirmed", "Trace", "compose", "confirm", "points", "uniform_blocks"]
 
@@ -172,7 +173,7 @@ class Deep(Protocol):
     capacity: int
     host_budget: int | None
     runner: Any
-    speed: Any
+    speed: DeviceSpeed
     candidates: list[Candidate]
 
     def measure(self, plan: Plan) -> tuple[Candidate, int]: ...
