@@ -41,7 +41,7 @@ def test_demo_recovers_and_reports_its_fallbacks(demo_run: tuple[Path, str, str]
     assert "step    3/3" in err, "the progress bar reached the end"
     assert "[oomguard] step 0: OOM in" in err, "event lines are shown as they happen"
     events = [json.loads(line) for line in (folder / "demo.jsonl").read_text().splitlines()]
-    assert events[0]["event"] == "oom" and events[0]["memory"]["capacity"] == 3 * 2**20
+    assert events[0]["event"] == "oom" and events[0]["memory"]["capacity"] == 6 * 2**20
     assert any(e["event"] == "recovered" for e in events)
     saved = json.loads((folder / "plans.json").read_text())
     assert len(saved["plans"]) == 2, "both buckets' plans were saved"

@@ -263,6 +263,36 @@ def test_a_search_starts_no_measurement_it_expects_to_end_past_its_time(monkeypa
     assert started == 3 and not budget.complete
 
 
+def test_a_search_over_several_calls_takes_at_most_its_share_of_the_steps_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bookkeeping alone, with made-up times: each call's search takes 1 s and is not done; the steps take
+    0.1 s. The first call searches; a later one only once the steps since the search began took twice what it
+    spent (SEARCH_SHARE 0.5): 20 steps between the first two searches, not a search in every call."""
+    settled = Plan(micro_batch_size=1)
+    foresight = Foresight.__new__(Foresight)
+    foresight._due, foresight._tuning, foresight._steady, foresight._searches = {}, {}, {}, {}
+    foresight.options = type("Options", (), {"tune_after": 1})()  # type: ignore[assignment]
+    foresight.agreement, foresight.device = None, torch.device("cpu")
+    monkeypatch.setattr(foresight_module, "measure_speed", lambda *args: DeviceSpeed())
+    searched: list[int] = []
+
+    def dry_run(*args: Any, **planning: Any) -> Any:
+        searched.append(call)
+        return type("Report", (), {"complete": False, "seconds": 1.0, "fake_steps": 1, "candidates": []})()
+
+    foresight._dry_run = dry_run  # type: ignore[method-assign]
+    foresight.settled(7)
+    foresight.timed(Choice(7, settled), settled, True, 0.1)  # a clean step: due now
+    for call in range(45):  # noqa: B007 (dry_run reads it)
+        choice = foresight.choose(Choice(7, settled), None, 8, None)  # type: ignore[arg-type]
+        assert choice.plan == settled, "the search is not done: every call trains on the settled plan"
+        foresight.timed(choice, choice.plan, True, 0.1)
+    # (after the search at call k, with s seconds spent: the steps from the first search's call on must add up
+    # to 2 s: 20 steps of 0.1 s (calls 0-19) before the second, 40 before the third)
+    assert searched == [0, 20, 40]
+
+
 def test_tuning_whose_search_takes_several_calls_trials_the_same_plans_and_stays_exact(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -292,6 +322,7 @@ def test_tuning_whose_search_takes_several_calls_trials_the_same_plans_and_stays
     # 36 steps leave room for its 19 calls at worst, the 3 trials' 9 steps and the settled plan's.
     monkeypatch.setattr(foresight_module, "MIN_SEARCH_SECONDS", 2.0)
     monkeypatch.setattr(foresight_module, "SEARCH_STEPS", 0)
+    monkeypatch.setattr(foresight_module, "SEARCH_SHARE", float("inf"))  # (a search in every call: see below)
     steps = 36
     spread, trained, counted = tuned(steps)
     assert in_one.search_calls == 1 and spread.search_calls > 1

@@ -13,8 +13,9 @@ plan runs fastest.
   the guard then runs the next steps on the :data:`TRIALS` fitting plans it predicts fastest, one warm-up step
   and :data:`TIMED` timed steps each, and keeps the fastest it measured, the settled plan included. The search
   takes at most :data:`SEARCH_STEPS` of the bucket's steady steps' time in one call (and at least
-  :data:`MIN_SEARCH_SECONDS`); a search that needs longer goes on in the next calls, whose steps run on the
-  settled plan meanwhile, and finds what it would have found in one (see
+  :data:`MIN_SEARCH_SECONDS`); a search that needs longer goes on in later calls, whose steps run on the
+  settled plan meanwhile (as many of them between two that search as keep its time within :data:`SEARCH_SHARE`
+  of theirs), and finds what it would have found in one (see
   :class:`~oomguard._planner.search.SearchBudget`). Every trial
   is a whole training step on the user's batch: no sample is lost or doubled, and the maths is each rung's
   own. A trial that runs out of memory is dropped and its step retried on the settled plan.
@@ -30,16 +31,17 @@ from typing import Any
 
 import torch
 
-from oomguard._backends.memory import MemoryBackend, MemorySnapshot, snapshot
+from oomguard._backends.memory import MemoryBackend, snapshot
 from oomguard._backends.units import format_bytes
 from oomguard._distributed.agreement import Agreement
 from oomguard._effects.effects import Effects
-from oomguard._events import PlannedEvent, TunedEvent, logger
+from oomguard._events import PlannedEvent, logger
 from oomguard._guard.answers import Answers
 from oomguard._guard.buckets import Buckets, Choice
 from oomguard._guard.call import Call
 from oomguard._guard.persist import PlanStore
 from oomguard._guard.recovery import Failure
+from oomguard._guard.tuned import Trials, Tuned
 from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Plan
 from oomguard._options import GuardOptions
@@ -48,14 +50,29 @@ from oomguard._planner.report import Candidate, PlanReport
 from oomguard._planner.speed import DeviceSpeed, measure_speed
 from oomguard._step.batch import batch_size
 
-__all__ = ["MIN_SEARCH_SECONDS", "SEARCH_STEPS", "TIMED", "TRIALS", "Foresight", "Jumped", "Planned", "Tuned"]
+__all__ = [
+    "MIN_SEARCH_SECONDS",
+    "SEARCH_SHARE",
+    "SEARCH_STEPS",
+    "TIMED",
+    "TRIALS",
+    "Foresight",
+    "Jumped",
+    "Planned",
+    "Tuned",
+]
 
 #: Alternatives to the settled plan timed on real steps, and timed steps on each (after one warm-up step).
 TRIALS, TIMED = 3, 2
 #: Tuning's search spends at most this many of the bucket's steady steps (their median time) in one call, and
-#: never less than :data:`MIN_SEARCH_SECONDS`: a call that searches takes about two steps' time (and the one
-#: measurement begun before the deadline), not a frozen minute; a small model's search is still done in one call.
+#: never less than :data:`MIN_SEARCH_SECONDS`: a call that searches takes about two steps' time (or its one
+#: measurement's, which always runs), not a frozen minute.
 SEARCH_STEPS, MIN_SEARCH_SECONDS = 1, 0.5
+#: A search that takes more than one call searches in a later call only while the time it has spent is at most
+#: this share of the time the bucket's steps have taken since it began: where a fake step takes several of the
+#: model's steps (a small model under a simulated device: 0.7 s against 0.16 s), the calls between train on the
+#: settled plan alone, and the search costs at most about a third of the job's time while it lasts.
+SEARCH_SHARE = 0.5
 
 
 @dataclass
@@ -69,23 +86,12 @@ class _Search:
     seconds: float = 0.0
     fake_steps: int = 0
     calls: int = 0
+    since: int = 0  # the bucket's steady steps timed before it began
 
-
-@dataclass
-class _Tuning:
-    settled: Plan
-    plans: list[Plan]  # the settled plan first (already warm), then the alternatives
-    search: _Search
-    index: int = 0
-    calls: int = 0  # calls so far on plans[index]
-    times: dict[Plan, list[float]] = field(default_factory=dict)
-
-    @property
-    def current(self) -> Plan | None:
-        return self.plans[self.index] if self.index < len(self.plans) else None
-
-    def next(self) -> None:
-        self.index, self.calls = self.index + 1, 0
+    def due(self, steady: list[float]) -> bool:
+        """Whether this call may search: the first always does; a later one where the search has spent at most
+        :data:`SEARCH_SHARE` of the time of the bucket's steps (``steady``) since it began."""
+        return not self.calls or self.seconds <= SEARCH_SHARE * sum(steady[self.since :])
 
 
 @dataclass(frozen=True)
@@ -112,39 +118,6 @@ class Jumped:
     recorded: bool = False  # an answer recorded for a batch of the same shape: no dry run
 
 
-@dataclass(frozen=True)
-class Tuned:
-    """The outcome of tuning a bucket: the plan to keep, every plan's median step time (None: it ran out of
-    memory), and what its search cost: seconds, fake steps, and the calls it took."""
-
-    bucket: int
-    settled: Plan
-    plan: Plan
-    timings: tuple[tuple[Plan, float | None], ...]
-    planning_seconds: float = 0.0
-    fake_steps: int = 0
-    search_calls: int = 1
-
-    def event(self, step: int, size: int, memory: MemorySnapshot) -> TunedEvent:
-        """The ``tuned`` event that says so, after step ``step`` on a batch of ``size``."""
-        timings = ", ".join(
-            f"{plan.describe(size)}: {'out of memory' if median is None else f'{median:.3g} s'}"
-            for plan, median in self.timings
-        )
-        return TunedEvent(
-            step,
-            self.plan.to_dict(),
-            memory,
-            self.settled.to_dict(),
-            tuple((plan.to_dict(), median) for plan, median in self.timings),
-            f"{timings}; keeping {self.plan.describe(size)} (searched in {self.planning_seconds:.3g} s, "
-            f"{self.fake_steps} fake steps, over {self.search_calls} call(s))",
-            round(self.planning_seconds, 3),
-            self.fake_steps,
-            self.search_calls,
-        )
-
-
 class Foresight:
     """The guard's jump and tuning (see the module); it changes no plan itself, it tells the guard which."""
 
@@ -163,7 +136,7 @@ class Foresight:
         self._due: dict[int, int] = {}  # bucket -> clean steps since it settled after an OOM
         self._steady: dict[int, list[float]] = {}  # bucket -> those steps' seconds
         self._searches: dict[int, _Search] = {}  # bucket -> its search, where it takes more than one call
-        self._tuning: dict[int, _Tuning] = {}
+        self._tuning: dict[int, Trials] = {}
         #: The guard's host budget (set at its first call): the planner's plans past it do not fit.
         self.host_budget: int | None = None
         self.answers = Answers(options, bf16)
@@ -271,12 +244,12 @@ class Foresight:
             due = not self.agreement.any(not due)  # every rank at once or none (the ranks' buckets may differ)
         if due:
             found = self._trials(bucket, batch, choice.plan, size, backend)
-            if found is not None:  # (None: the search goes on in the next call; this one runs the settled plan)
+            if found is not None:  # (None: the search goes on in a later call; this one runs the settled plan)
                 search, alternatives = found
                 del self._due[bucket]
                 self._searches.pop(bucket, None)
                 if alternatives:
-                    tuning = self._tuning[bucket] = _Tuning(choice.plan, [choice.plan, *alternatives], search)
+                    tuning = self._tuning[bucket] = Trials(choice.plan, [choice.plan, *alternatives], search)
         if tuning is None or tuning.current is None or tuning.current == tuning.settled:
             return choice
         return Choice(bucket, tuning.current, fallback=tuning.settled, trial=True)
@@ -346,8 +319,10 @@ class Foresight:
             except Exception as error:  # (an OOM on a full CUDA device, say): the plan stays, untimed
                 logger.warning("tuning: cannot measure this device's speed (%s: %s)", type(error).__name__, error)
                 return _Search(settled, size, DeviceSpeed()), []
-            search = self._searches[bucket] = _Search(settled, size, speed)
+            search = self._searches[bucket] = _Search(settled, size, speed, since=len(self._steady.get(bucket, ())))
         steady = self._steady.get(bucket) or [0.0]
+        if not search.due(steady):
+            return None  # (it has had its share of the time: this call trains on the settled plan alone)
         report = self._dry_run(
             batch,
             backend,
@@ -364,7 +339,7 @@ class Foresight:
         )  # fmt: skip
         if not report.complete:
             logger.info(
-                "tuning: the search goes on in the next call (%d plans measured in %.3g s so far)",
+                "tuning: the search goes on in a later call (%d plans measured in %.3g s so far)",
                 len(search.known),
                 search.seconds,
             )
