@@ -74,12 +74,22 @@ class FlopCount(TorchDispatchMode):  # type: ignore[misc]
         """Count one operation dispatched, whose result is ``out``: what the mode does with each, for another mode
         that counts them beside its own work (:meth:`~oomguard._planner.reads.PlaceholderReads.counting`)."""
         self.ops += 1
-        count = flop_registry.get(func._overloadpacket)
+        count = _formula(func._overloadpacket)
         if count is not None:
             flops = count(*args, **kwargs, out_val=out)
             self.total += flops
             if self._window is not None and self._window():
                 self.window += flops
+
+
+@functools.cache
+def _formula(packet: Any) -> Callable[..., int] | None:
+    """torch's FLOP formula for an op; an in-place op's (``addmm_``: the chunked loss's fp32 head gradient) is its
+    out-of-place op's, which torch's registry alone has."""
+    count = flop_registry.get(packet)
+    if count is None and packet.__name__.endswith("_"):
+        count = flop_registry.get(getattr(torch.ops.aten, packet.__name__[:-1], None))
+    return count
 
 
 @dataclass(frozen=True)
