@@ -70,7 +70,7 @@ TRIALS, TIMED = 3, 2
 SEARCH_STEPS, MIN_SEARCH_SECONDS = 1, 0.5
 #: A search that takes more than one call searches in a later call only while the time it has spent is at most
 #: this share of the time the bucket's steps have taken since it began: where a fake step takes several of the
-#: model's steps (a small model under a simulated device: 0.7 s against 0.16 s), the calls between train on the
+#: model's steps (a small model under a simulated device: 0.6-0.7 s against 0.16 s), the calls between train on the
 #: settled plan alone, and the search costs at most about a third of the job's time while it lasts.
 SEARCH_SHARE = 0.5
 
