@@ -391,3 +391,32 @@ def test_a_small_model_is_split_into_no_more_micro_batches_than_its_exact_rungs_
     else:  # (the walk's own plan: micro-batches of 2, chunked loss)
         walked = max((c for c in split if c.fits), key=lambda c: c.plan.effective_micro_batch_size(16))
         assert walked.plan.micro_batches(16) == 8 and walked.predicted_seconds > report.candidates[-1].predicted_seconds
+
+
+def test_a_fake_tensors_device_is_answered_by_the_planners_outer_mode_and_counted_as_no_operation() -> None:
+    """The autograd engine asks each fake tensor's device through the dispatcher, half of a fake step's dispatches:
+    the placeholder-reads mode answers (as FakeTensorMode would) without passing the question down to the modes
+    below it, and the FLOP count counts no operation for it (no device runs one for a real tensor)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from oomguard._planner.reads import PlaceholderReads
+    from oomguard._planner.speed import FlopCount
+
+    class Seen(TorchDispatchMode):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.funcs: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.funcs.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    reads, counted = PlaceholderReads(), FlopCount()
+    with FakeTensorMode(), Seen() as seen, reads, reads.counting(counted):  # (seen: below the reads, as the probe)
+        weight = torch.nn.Parameter(torch.ones(8, 8))
+        loss = (weight @ torch.ones(8, 4)).relu().sum()
+        loss.backward()
+        device = weight.grad.device  # type: ignore[union-attr]
+    assert device == torch.device("cpu") and weight.grad.shape == (8, 8)  # type: ignore[union-attr]
+    assert seen.funcs and "prim.device.default" not in seen.funcs  # (the matmul and its gradient did reach it)
+    assert counted.ops == len(seen.funcs)  # (every other operation counted once)

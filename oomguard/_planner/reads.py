@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensor, is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["MAX_READS", "DryRunLimit", "PlaceholderReads"]
@@ -40,6 +40,7 @@ class DryRunLimit(RuntimeError):
 _READ = torch.ops.aten._local_scalar_dense.default  # what .item(), float(), int() and bool() of a tensor run
 _NONZERO = torch.ops.aten.nonzero.default
 _INDEX = torch.ops.aten.index.Tensor  # x[mask]: the mask's true positions (its nonzero) index x
+_DEVICE = torch.ops.prim.device.default  # what C++ (the autograd engine) asks a fake tensor for its device
 
 
 class Counter(Protocol):
@@ -83,6 +84,12 @@ class PlaceholderReads(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         self._step_reads = 0
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _DEVICE and isinstance(args[0], FakeTensor):
+            # Half of a fake step's dispatches are the autograd engine asking a fake tensor's device: answered here,
+            # as FakeTensorMode would answer it, not passed down through the modes below (each costs about what the
+            # question does), which have nothing to do with it: the accounting allocates nothing for it, and it is
+            # no operation a device runs (a real tensor's device is read without a dispatch), so none is counted.
+            return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         kwargs = kwargs or {}
         out = self._answer(func, args, kwargs)
         if self._counter is not None:
