@@ -434,3 +434,49 @@ def test_a_composed_recommendation_is_measured_in_full_only_within_its_margin_of
     close, deep_forwards = planned(int(exact[1].peak_bytes * 1.01))  # (within 3 %; the whole batch does not fit)
     assert close.composed and close.confirmed and deep_forwards >= 1
     assert close.recommended == plans[1] and close.chosen == exact[1]
+
+
+def test_a_search_with_no_time_runs_one_shallow_step_a_call_and_ends_where_one_call_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tuning's search with no time at all, over as many dry runs as it takes: each dry run measures at most one
+    shallow step of its own (a composed measurement stops between its steps, the gate), keeping the steps and plans
+    it measured for the next; the last one recommends what a search in one dry run does, from the same figures, and
+    no shallow step ran twice."""
+    traced: list[tuple[Plan, int]] = []
+    trace = StepBench.trace
+
+    def counted(bench: StepBench, plan: Plan) -> Any:
+        measured = trace(bench, plan)  # (a step the gate stops is not run: not counted)
+        traced.append((plan, sum(1 for _ in bench.runner.model.modules())))  # (a depth's copy: its own count)
+        return measured
+
+    monkeypatch.setattr(StepBench, "trace", counted)
+    with FakeTensorMode():
+
+        def build(layers: int) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
+            model = make_llama(layers=layers, hidden=32)
+            return (lambda b: model(**b)), model, torch.optim.AdamW(model.parameters(), foreach=True)
+
+        step, model, optimizer = build(LAYERS)
+        common = {"model": model, "optimizer": optimizer, "target": "simulated", "label": "llama", "shallow": build}
+        plain = dry_run(step, lm_batch(4, 32), capacity=2**40, plans=[Plan()], **common)
+        capacity = plain.candidates[0].peak_bytes * 3 // 4  # (the whole batch does not fit: there is a search)
+        traced.clear()
+        whole = dry_run(step, lm_batch(4, 32), capacity=capacity, search_around=Plan(), **common)
+        once, traced[:] = list(traced), []
+        known: dict[Plan, Candidate] = {}
+        traces: dict[Any, Any] = {}
+        runs = []
+        while not runs or not runs[-1][0].complete:
+            before = len(traced)
+            report = dry_run(step, lm_batch(4, 32), capacity=capacity, search_around=Plan(), search_seconds=0.0,
+                             known=known, traces=traces, **common)  # fmt: skip
+            runs.append((report, len(traced) - before))
+    assert whole.complete and len(runs) > 2
+    assert all(new == 1 for _, new in runs[:-1]), "one shallow step a call: a measurement stops between its steps"
+    last = runs[-1][0]
+    assert last.recommended == whole.recommended
+    figures = {(c.plan, c.peak_bytes, c.host_bytes, c.fits) for c in last.candidates}
+    assert figures == {(c.plan, c.peak_bytes, c.host_bytes, c.fits) for c in whole.candidates}
+    assert len(traced) == len(set(traced)) == len(once) and set(traced) == set(once)

@@ -100,3 +100,41 @@ def test_a_step_that_reads_values_for_its_logs_jumps_as_one_that_does_not(caplog
     assert "dry run of this step failed" not in caplog.text
     assert [r.ooms for r in results] == [r.ooms for r in quiet] and results[0].ooms >= 1
     assert len(logged) >= STEPS and all(math.isfinite(loss) and count > 0 for loss, count in logged)
+
+
+@pytest.mark.parametrize(
+    ("ladder", "measured"),
+    [(None, False), (["micro_batch", "checkpointing", "activation_offload"], True)],
+    ids=["default", "split-first"],
+)
+def test_the_jump_does_not_measure_again_the_plan_that_ran_out_of_memory(
+    ladder: list[str] | None, measured: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first OOM already said the plain plan does not fit: the jump's walk starts past it, from the rung the
+    guard's own walk takes in the phase it failed in (a Llama's loss in chunks), and lands on a plan that fits. Only
+    where that rung splits the batch is the plain plan measured: its peak is what sizes the micro-batches."""
+    from helpers.batches import lm_batch
+    from helpers.models import make_llama
+
+    from oomguard import Plan
+    from oomguard._planner.bench import StepBench
+
+    traced: list[Plan] = []
+    trace = StepBench.trace
+    monkeypatch.setattr(StepBench, "trace", lambda bench, plan: traced.append(plan) or trace(bench, plan))
+    batches = [lm_batch(8, 64) for _ in range(3)]
+    budget: int | str = "1GiB"  # (the plain step's peak, measured first; then 2/5 of it)
+    for options in ({"ladder": []}, {} if ladder is None else {"ladder": ladder}):
+        model = make_llama(layers=2, hidden=64)
+        step = oom_guard(lambda b, model=model: model(**b), model=model,
+                         optimizer=torch.optim.AdamW(model.parameters()), **options)  # fmt: skip
+        traced.clear()
+        with SimulatedGPU(budget) as gpu:
+            gpu.adopt(model)
+            results = [step(batch) for batch in batches]
+            budget = gpu.max_memory_allocated() * 2 // 5
+        step.guard.close()
+    jumped = [e.to_dict() for e in step.guard.events if getattr(e, "fake_steps", None)]
+    assert results[0].ooms == 1 and all(r.ooms == 0 for r in results[1:]), "one OOM, then the jump's plan fits"
+    assert jumped and jumped[0]["event"] == "fallback" and "dry-run planner" in jumped[0]["description"]
+    assert traced and (Plan() in traced) is measured

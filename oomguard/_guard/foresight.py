@@ -13,7 +13,8 @@ plan runs fastest.
   the guard then runs the next steps on the :data:`TRIALS` fitting plans it predicts fastest, one warm-up step
   and :data:`TIMED` timed steps each, and keeps the fastest it measured, the settled plan included. The search
   takes at most :data:`SEARCH_STEPS` of the bucket's steady steps' time in one call (and at least
-  :data:`MIN_SEARCH_SECONDS`); a search that needs longer goes on in later calls, whose steps run on the
+  :data:`MIN_SEARCH_SECONDS`), stopping between two fake steps of a measurement where need be; a search that
+  needs longer goes on in later calls, whose steps run on the
   settled plan meanwhile (as many of them between two that search as keep its time within :data:`SEARCH_SHARE`
   of theirs), and finds what it would have found in one (see
   :class:`~oomguard._planner.search.SearchBudget`). Every trial
@@ -43,8 +44,9 @@ from oomguard._guard.persist import PlanStore
 from oomguard._guard.recovery import Failure
 from oomguard._guard.tuned import Trials, Tuned
 from oomguard._ladder.ladder import Ladder
-from oomguard._ladder.plan import Plan
+from oomguard._ladder.plan import Phase, Plan
 from oomguard._options import GuardOptions
+from oomguard._planner.compose import Trace
 from oomguard._planner.fakes import memory_was_short, planning_capacity, preplan
 from oomguard._planner.report import Candidate, PlanReport
 from oomguard._planner.speed import DeviceSpeed, measure_speed
@@ -65,9 +67,10 @@ __all__ = [
 #: Alternatives to the settled plan timed on real steps, and timed steps on each (after one warm-up step).
 TRIALS, TIMED = 3, 2
 #: Tuning's search spends at most this many of the bucket's steady steps (their median time) in one call, and
-#: never less than :data:`MIN_SEARCH_SECONDS`: a call that searches takes about two steps' time (or its one
-#: measurement's, which always runs), not a frozen minute.
-SEARCH_STEPS, MIN_SEARCH_SECONDS = 1, 0.5
+#: never less than :data:`MIN_SEARCH_SECONDS`: a call that searches takes about two steps' time (or its first fake
+#: step's, which always runs: a composed measurement's steps are run over as many calls as it takes), not a frozen
+#: minute.
+SEARCH_STEPS, MIN_SEARCH_SECONDS = 1, 0.25
 #: A search that takes more than one call searches in a later call only while the time it has spent is at most
 #: this share of the time the bucket's steps have taken since it began: where a fake step takes several of the
 #: model's steps (a small model under a simulated device: 0.6-0.7 s against 0.16 s), the calls between train on the
@@ -83,6 +86,7 @@ class _Search:
     size: int
     speed: DeviceSpeed
     known: dict[Plan, Candidate] = field(default_factory=dict)
+    traces: dict[tuple[Plan, int, int], Trace] = field(default_factory=dict)  # (shallow steps: SearchBudget)
     seconds: float = 0.0
     fake_steps: int = 0
     calls: int = 0
@@ -164,14 +168,17 @@ class Foresight:
             host_budget=self.host_budget, **planning,
         )  # fmt: skip
 
-    def planned(self, batch: Any, backend: MemoryBackend, purpose: str) -> Planned:
+    def planned(
+        self, batch: Any, backend: MemoryBackend, purpose: str, failed: tuple[Plan, Phase] | None = None
+    ) -> Planned:
         """The planner's answer for ``batch``: a recorded one that holds for the room there is now, or a dry
-        run's (recorded for the next batch of this shape)."""
+        run's (recorded for the next batch of this shape; ``failed``: the plan the batch ran out of memory on, and
+        the phase, which the walk starts past)."""
         recorded = self.answers.get(batch, planning_capacity(self.options, backend), self.host_budget)
         if recorded is not None:
             return Planned(recorded.plan, True, 0.0, 0)
         started = time.perf_counter()
-        report = self._dry_run(batch, backend, purpose=purpose)
+        report = self._dry_run(batch, backend, purpose=purpose, failed=failed)
         seconds = time.perf_counter() - started
         if report is None:  # (logged: a step the planner cannot run, fakes that escaped, no device to plan for)
             return Planned(None, False, seconds, 0)
@@ -227,7 +234,8 @@ class Foresight:
             and (distributed or memory_was_short(failure.summary.message, self.device))
         ):
             return None
-        planned = self.planned(call.batch, call.backend, "jump")
+        failed = (failure.plan, failure.agreed_phase or failure.summary.phase)  # (as the guard's walk goes on)
+        planned = self.planned(call.batch, call.backend, "jump", failed)
         plan = planned.plan
         engaged = () if plan is None else self.ladder.changed(failure.plan, plan, call.size)
         if not engaged:  # (it knows no better)
@@ -331,6 +339,7 @@ class Foresight:
             speed=search.speed,
             search_seconds=max(MIN_SEARCH_SECONDS, SEARCH_STEPS * statistics.median(steady)),
             known=search.known,
+            traces=search.traces,
         )
         if report is None:
             return search, []

@@ -50,6 +50,9 @@ class StepBench:
         #: without a gradient (which a whole step would make no state for), as a deep model's shallow copies tell.
         self.every_parameter_steps = False
         self.around: Callable[[], contextlib.AbstractContextManager[None]] | None = None  # (ShallowModel.around)
+        #: Asked before each step measured (and its warm-up): a search's time budget, which may end the dry run there
+        #: (:meth:`~oomguard._planner.search.SearchBudget.gate`).
+        self.gate: Callable[[], None] | None = None
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -134,6 +137,8 @@ class StepBench:
 
     def trace(self, plan: Plan) -> Trace:
         """One fake step of ``plan`` (on two micro-batches, after its effects are applied), and what it measured."""
+        if self.gate is not None:
+            self.gate()
         probe = self.probe
         self.warm()
         with self._own_model(), self.active():

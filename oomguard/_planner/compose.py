@@ -31,6 +31,7 @@ from oomguard._ladder.plan import Phase, Plan
 from oomguard._planner.helper import Helper
 from oomguard._planner.reads import DryRunLimit
 from oomguard._planner.report import Candidate
+from oomguard._planner.search import Paused
 from oomguard._planner.speed import DeviceSpeed
 
 __all__ = ["CLEAR", "MIN_BLOCKS", "Composed", "Confirmed", "Trace", "compose", "confirm", "points", "uniform_blocks"]
@@ -186,9 +187,18 @@ class Composed:
     shallow benches: ``shallow(n)`` is a bench of the same model with ``n`` blocks (made once, when first needed),
     whose ``trace(plan)`` runs a fake step. Where a shallow step fails, this plan and every later one is measured
     on the deep model instead. ``helped``: some of the shallow steps run in a :class:`~oomguard._planner.helper.Helper`
-    process beside this one's (forked at the first measurement; :meth:`close` ends it)."""
+    process beside this one's (forked at the first measurement; :meth:`close` ends it). ``traces``: the shallow
+    steps an earlier dry run of the same search ran (by plan, blocks and ``prefetch_from``), not run again; those
+    run here are added to it."""
 
-    def __init__(self, deep: Deep, blocks: int, shallow: Callable[[int], Any], helped: bool = False) -> None:
+    def __init__(
+        self,
+        deep: Deep,
+        blocks: int,
+        shallow: Callable[[int], Any],
+        helped: bool = False,
+        traces: dict[tuple[Plan, int, int], Trace] | None = None,
+    ) -> None:
         self.deep, self.blocks, self._make, self._helped = deep, blocks, shallow, helped
         self._fewest = 1 if is_transformers_model(deep.runner.effects.target.model) else 2  # (see points)
         self._helper: Helper | None = None
@@ -201,7 +211,7 @@ class Composed:
         self.refuted = False  # every composed plan that fitted did not in full: the dry run measured all in full
         self.made = 0  # candidates composed (some may then have been measured in full)
         self.confirmed = False  # a composed recommendation was measured in full (confirm)
-        self._traces: dict[tuple[Plan, int, int], Trace] = {}
+        self._traces: dict[tuple[Plan, int, int], Trace] = {} if traces is None else traces
 
     @property
     def steps(self) -> int:
@@ -225,7 +235,7 @@ class Composed:
                 steps = points(plan, self.blocks, prefetching, self._fewest)
                 shallow = self._traces_of([(p, n, ahead) for p, n, _ in steps])
                 traces = [(trace, weight) for trace, (*_, weight) in zip(shallow, steps, strict=True)]
-            except DryRunLimit:
+            except (DryRunLimit, Paused):
                 raise
             except Exception as error:  # a model that does not run with fewer blocks (indexed by a count, say)
                 self.failed = f"{type(error).__name__}: {error}"

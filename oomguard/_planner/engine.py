@@ -32,16 +32,16 @@ import torch
 from oomguard._backends.accounting import AccountedDevice
 from oomguard._distributed.agreement import distributed_active
 from oomguard._ladder.ladder import Ladder
-from oomguard._ladder.plan import Plan
+from oomguard._ladder.plan import Phase, Plan
 from oomguard._ladder.rungs import Rung, RungContext
 from oomguard._options import GuardOptions, build_runner, model_context
 from oomguard._planner.bench import StepBench, close
-from oomguard._planner.compose import MIN_BLOCKS, Composed, confirm
+from oomguard._planner.compose import MIN_BLOCKS, Composed, Trace, confirm
 from oomguard._planner.helper import usable
 from oomguard._planner.masks import unpadded_masks
 from oomguard._planner.reads import PlaceholderReads
 from oomguard._planner.report import Candidate, PlanReport, Target
-from oomguard._planner.search import SearchBudget, configurations, inexact, search
+from oomguard._planner.search import Paused, SearchBudget, configurations, inexact, search
 from oomguard._planner.speed import DeviceSpeed
 from oomguard._planner.walk import Bench, master_weights_instead, walk
 from oomguard._step.batch import batch_size
@@ -87,9 +87,11 @@ def dry_run(
     host_budget: int | None = None,
     search_seconds: float | None = None,
     known: dict[Plan, Candidate] | None = None,
+    traces: dict[tuple[Plan, int, int], Trace] | None = None,
     shallow: Shallow | None = None,
     every_parameter_steps: bool = False,
     helper: bool = False,
+    failed: tuple[Plan, Phase] | None = None,
 ) -> PlanReport:
     """Walk the ladder for ``batch`` on fake tensors (or measure just ``plans``, in order, if given; or search
     every configuration around the plan ``search_around``, :mod:`oomguard._planner.search`); recommend the
@@ -98,13 +100,16 @@ def dry_run(
     or a step that reads more than :data:`~oomguard._planner.reads.MAX_READS` fake values, raises
     :class:`~oomguard._planner.reads.DryRunLimit`. ``host_budget``: the host memory the guard may fill (None:
     unlimited); a plan whose host bytes are past it does not fit, and the walk goes another way. The search
-    starts no measurement past ``search_seconds`` (but its first) and does not run again a plan in ``known``
-    (an earlier dry run's measurements, added to here): see :class:`~oomguard._planner.search.SearchBudget`.
+    starts no measurement past ``search_seconds`` (but its first), nor a shallow step of one, and does not run
+    again a plan in ``known`` or a shallow step in ``traces`` (an earlier dry run's measurements, added to here):
+    see :class:`~oomguard._planner.search.SearchBudget`.
     ``shallow(n)``, where given, is the model with ``n`` blocks (:class:`ShallowModel`): a deep model's plans are
     then composed from shallow steps (:mod:`oomguard._planner.compose`). ``every_parameter_steps``: the step makes
     optimizer state for every parameter the optimizer trains (a real step showed it): the warm-up that makes that
     state is then the optimizer step alone. ``helper``: run some of the shallow steps in a forked process, where
-    this machine has a second core (:mod:`oomguard._planner.helper`; not inside a training process).
+    this machine has a second core (:mod:`oomguard._planner.helper`; not inside a training process). ``failed``: a
+    plan the step ran out of memory on, on the device itself, and the phase it did (the guard's jump): the walk
+    starts past it without measuring it again, where it starts there (:func:`~oomguard._planner.walk.walk`).
 
     Everything passed in must be fake (made in the caller's ``FakeTensorMode``); the effects are undone after.
     """
@@ -115,8 +120,9 @@ def dry_run(
     bench = StepBench(runner, batch, size, capacity, target, speed or DeviceSpeed(), host_budget)
     bench.reads = PlaceholderReads(None if max_seconds is None else time.monotonic() + max_seconds)
     bench.every_parameter_steps = every_parameter_steps
-    composed = _composed(shallow, bench, options, residue if residue is not None else Residue(), helper)
-    budget = _planned(bench, composed, options.rungs, plans, search_around, bf16, search_seconds, known)
+    composed = _composed(shallow, bench, options, residue if residue is not None else Residue(), helper, traces)
+    asked = _Asked(plans, search_around, bf16, failed)
+    budget = _planned(bench, composed, options.rungs, asked, search_seconds, known)
     candidates = bench.candidates if bf16 else _as_fp16(bench.candidates)
     # The fastest fitting plan by the time model (ties: the first measured, the one the ladder reached first).
     fitting = [c.plan for c in sorted((c for c in candidates if c.fits), key=lambda c: c.predicted_seconds)]
@@ -138,13 +144,20 @@ def dry_run(
     )
 
 
+class _Asked(NamedTuple):
+    """What :func:`dry_run` was asked to measure (its arguments of those names)."""
+
+    plans: Sequence[Plan] | None
+    search_around: Plan | None
+    bf16: bool
+    failed: tuple[Plan, Phase] | None
+
+
 def _planned(
     bench: StepBench,
     composed: Composed | None,
     ladder: Ladder,
-    plans: Sequence[Plan] | None,
-    search_around: Plan | None,
-    bf16: bool,
+    asked: _Asked,
     search_seconds: float | None,
     known: dict[Plan, Candidate] | None,
 ) -> SearchBudget:
@@ -159,18 +172,22 @@ def _planned(
                 model_context(bench.runner), batch_size=bench.size, distributed=distributed_active()
             )
             budget = SearchBudget(search_seconds, known)
-            _measure(composed or bench, ladder, context, plans, search_around, bf16, budget)
-            # (the deep model's warm-up makes its optimizer state by an optimizer step alone where the copies show
-            # that a whole step would make state for every parameter)
-            # (a search cut short by its time is run again in a later call, which confirms what it recommends then:
-            # the caller takes nothing of this one's)
-            if composed is not None and budget.complete:
-                bench.every_parameter_steps = bench.every_parameter_steps or composed.stepped_every_parameter()
-                confirmed = confirm(bench, composed.composed)
-                composed.confirmed = confirmed.measured
-                if not confirmed.stands:
-                    composed.refuted = True  # (the walk followed a wrong composition: walked again, in full)
-                    budget = _again(bench, ladder, context, plans, search_around, bf16, search_seconds)
+            bench.gate = budget.gate  # (and every shallow bench's, made from it)
+            try:
+                _measure(composed or bench, ladder, context, asked, budget)
+                # (the deep model's warm-up makes its optimizer state by an optimizer step alone where the copies
+                # show that a whole step would make state for every parameter)
+                # (a search cut short by its time is run again in a later call, which confirms what it recommends
+                # then: the caller takes nothing of this one's)
+                if composed is not None and budget.complete:
+                    bench.every_parameter_steps = bench.every_parameter_steps or composed.stepped_every_parameter()
+                    confirmed = confirm(bench, composed.composed)
+                    composed.confirmed = confirmed.measured
+                    if not confirmed.stands:
+                        composed.refuted = True  # (the walk followed a wrong composition: walked again, in full)
+                        budget = _again(bench, ladder, context, asked, search_seconds)
+            except Paused:  # (the search's time is up between two fake steps of a measurement)
+                pass
         finally:
             if composed is not None:
                 composed.close()
@@ -178,45 +195,32 @@ def _planned(
     return budget
 
 
-def _measure(
-    bench: Bench,
-    ladder: Ladder,
-    context: RungContext,
-    plans: Sequence[Plan] | None,
-    search_around: Plan | None,
-    bf16: bool,
-    budget: SearchBudget,
-) -> None:
+def _measure(bench: Bench, ladder: Ladder, context: RungContext, asked: _Asked, budget: SearchBudget) -> None:
     """What :func:`dry_run` measures: ``plans``, then the search around ``search_around``, or else the walk down
     ``ladder`` (and on from master weights instead of offloaded layers or state, where bf16 is measured)."""
-    size = context.batch_size
-    for given in plans or ():
+    size, search_around = context.batch_size, asked.search_around
+    for given in asked.plans or ():
         bench.measure(given)
     if search_around is not None:
         configs = configurations(search_around, ladder, context)
         smallest, fixed = ladder.min_micro_batch(size), inexact(ladder)
         fits = budget.fits(lambda plan: bench.measure(plan)[0], bench.candidates.append)
         search(configs, size, smallest, fits, fixed=fixed, more=budget.more)
-    elif not plans:
-        walk(bench, ladder, context)
-        master = master_weights_instead(bench.candidates, ladder, context) if bf16 else None
+    elif not asked.plans:
+        walk(bench, ladder, context, failed=asked.failed)
+        master = master_weights_instead(bench.candidates, ladder, context) if asked.bf16 else None
         if master is not None:
             walk(bench, ladder, context, start=master)
 
 
 def _again(
-    bench: StepBench,
-    ladder: Ladder,
-    context: RungContext,
-    plans: Sequence[Plan] | None,
-    search_around: Plan | None,
-    bf16: bool,
-    search_seconds: float | None,
+    bench: StepBench, ladder: Ladder, context: RungContext, asked: _Asked, search_seconds: float | None
 ) -> SearchBudget:
     """:func:`_measure` once more, every plan in full, the composed candidates forgotten."""
     bench.candidates.clear()
     budget = SearchBudget(search_seconds)
-    _measure(bench, ladder, context, plans, search_around, bf16, budget)
+    bench.gate = budget.gate
+    _measure(bench, ladder, context, asked, budget)
     return budget
 
 
@@ -245,16 +249,22 @@ def _fp16(plan: Plan) -> Plan:
 
 
 def _composed(
-    shallow: Shallow | None, deep: StepBench, options: GuardOptions, residue: Residue, helped: bool
+    shallow: Shallow | None,
+    deep: StepBench,
+    options: GuardOptions,
+    residue: Residue,
+    helped: bool,
+    traces: dict[tuple[Plan, int, int], Trace] | None,
 ) -> Composed | None:
-    """The bench composing ``deep``'s plans from shallow ones, where ``shallow`` is given and the model is deep
-    enough to gain from it; None: every plan is measured on ``deep``. ``residue`` is told every bench's device (the
-    helper's, if ``helped``, are in another process)."""
+    """The bench composing ``deep``'s plans from shallow ones (those in ``traces`` already run), where ``shallow`` is
+    given and the model is deep enough to gain from it; None: every plan is measured on ``deep``. ``residue`` is
+    told every bench's device (the helper's, if ``helped``, are in another process)."""
     residue.probes.append(deep.probe)
     blocks = len(deep.runner.effects.target.blocks)
     if shallow is None or blocks < MIN_BLOCKS:
         return None
-    return Composed(deep, blocks, _shallow(shallow, deep.batch, options, deep, residue), helped=helped and usable())
+    made = _shallow(shallow, deep.batch, options, deep, residue)
+    return Composed(deep, blocks, made, helped=helped and usable(), traces=traces)
 
 
 def _shallow(
@@ -268,7 +278,7 @@ def _shallow(
         with made.around() if made.around is not None else contextlib.nullcontext():
             runner = build_runner(made.step_fn, given, item_counter=batch_size)  # (its effects: on the blocks kept)
         bench = StepBench(runner, batch, deep.size, deep.capacity, deep.target, deep.speed, deep.host_budget)
-        bench.reads, bench.around = deep.reads, made.around
+        bench.reads, bench.around, bench.gate = deep.reads, made.around, deep.gate
         bench.every_parameter_steps = deep.every_parameter_steps
         residue.probes.append(bench.probe)
         return bench

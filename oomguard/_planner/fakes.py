@@ -10,6 +10,7 @@ Nothing real is computed or allocated on the device.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -28,9 +29,9 @@ from oomguard._distributed.agreement import ddp_of, quiet_ddp
 from oomguard._effects.blocks import find_blocks
 from oomguard._effects.effects import Effects
 from oomguard._effects.sharding import is_fsdp
-from oomguard._ladder.plan import Plan
+from oomguard._ladder.plan import Phase, Plan
 from oomguard._options import GuardOptions
-from oomguard._planner.compose import uniform_blocks
+from oomguard._planner.compose import Trace, uniform_blocks
 from oomguard._planner.engine import Residue, ShallowModel, dry_run
 from oomguard._planner.isolation import Kept, leftovers
 from oomguard._planner.report import CUDA_CONTEXT_BYTES, Candidate, PlanReport, Target
@@ -61,15 +62,19 @@ def preplan(
     host_budget: int | None = None,
     search_seconds: float | None = None,
     known: dict[Plan, Candidate] | None = None,
+    traces: dict[tuple[Plan, int, int], Trace] | None = None,
+    failed: tuple[Plan, Phase] | None = None,
 ) -> PlanReport | None:
     """The planner's answer for a guard's step on this device, or None (logged) where it cannot tell.
 
     ``purpose`` names the caller in the log lines: ``"preplan"`` (before the first step), ``"jump"`` (after the
-    first OOM of a batch bucket) or ``"tuning"`` (which passes ``search_around``, the plan a bucket settled on,
-    the ``speed`` of the device measured, at most ``search_seconds``, reusing the plans measured in ``known``:
-    :class:`~oomguard._planner.search.SearchBudget`). ``plans`` measures just
-    those (a benchmark's). ``effects``, the guard's, step aside while the planner runs (the model as the user made
-    it; nothing moves). ``host_budget``: the guard's; a plan whose host bytes are past it does not fit.
+    first OOM of a batch bucket; it passes the plan that ran out of memory and the phase, ``failed``, which the walk
+    starts past: :func:`~oomguard._planner.walk.walk`) or ``"tuning"`` (which passes ``search_around``, the plan a
+    bucket settled on, the ``speed`` of the device measured, at most ``search_seconds``, reusing the plans measured
+    in ``known`` and the shallow steps in ``traces``: :class:`~oomguard._planner.search.SearchBudget`). ``plans``
+    measures just those (a benchmark's). ``effects``, the guard's, step aside while the planner runs (the model as
+    the user made it; nothing moves). ``host_budget``: the guard's; a plan whose host bytes are past it does not
+    fit.
 
     The dry run leaves nothing behind (:mod:`oomguard._planner.isolation`): what the step and the model keep is
     put back after it; where fake tensors escape all the same, the step is not planned again.
@@ -91,10 +96,11 @@ def preplan(
     report, failure = None, None
     try:
         # (under DDP, as the guard's own attempts: no collective in forward or backward, each rank plans alone)
-        with _stepped_aside(effects), _isolated(model, step_fn), quiet_ddp(ddp_of(model)):
+        with _collector_paused(), _stepped_aside(effects), _isolated(model, step_fn), quiet_ddp(ddp_of(model)):
             report = _dry_run(step_fn, batch, options, capacity, target, device, residue, bf16=bf16,
                               search_around=search_around, speed=speed, plans=plans, host_budget=host_budget,
-                              search_seconds=search_seconds, known=known)  # fmt: skip
+                              search_seconds=search_seconds, known=known, traces=traces,
+                              failed=failed)  # fmt: skip
     except Exception as error:  # a step the planner cannot run on fake tensors (an output sized by values, say)
         failure = f"{type(error).__name__}: {error}"
     # (outside the except block: its traceback, which holds the dry run's frames and their fakes, is gone)
@@ -225,6 +231,21 @@ def _cut(container: torch.nn.Module, blocks: int) -> Iterator[None]:
         yield
     finally:
         container._modules = whole
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused inside the block (as it was after). A dry run makes and drops
+    objects by the hundred thousand, so the collector would run several times inside it, now and then a full pass
+    over every object of the process (0.1-0.2 s with transformers loaded): the longest of a job's calls would be
+    longer still by chance. Its garbage, all of it young, is collected after it (:func:`leftovers`)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager

@@ -33,7 +33,16 @@ from oomguard._ladder.plan import Plan
 from oomguard._ladder.rungs import Rung, RungContext
 from oomguard._planner.report import Candidate
 
-__all__ = ["SearchBudget", "configurations", "deepest_exact", "halvings", "inexact", "largest_fitting", "search"]
+__all__ = [
+    "Paused",
+    "SearchBudget",
+    "configurations",
+    "deepest_exact",
+    "halvings",
+    "inexact",
+    "largest_fitting",
+    "search",
+]
 
 #: At most this many fake steps per search (each is a fraction of a second for a small model, seconds for 1B).
 MAX_MEASUREMENTS = 40
@@ -106,24 +115,48 @@ def _always() -> bool:
     return True
 
 
+class Paused(Exception):
+    """Raised by :meth:`SearchBudget.gate` where a search's time is up in the middle of a measurement: the dry run
+    ends there, incomplete, and the search goes on in a later one."""
+
+
 class SearchBudget:
     """What one dry run of a search may spend: no new measurement starts (but its first) that would end more than
     ``seconds`` after it began, by the time the measurements so far took on average; and a plan measured by an
     earlier dry run of the same search (``known``, kept by the caller and added to here) is not run again. A
     search that stopped for time (``complete`` False) is run again later, from the start: it makes the same
-    choices, answered from ``known`` this time, and goes on where it stopped."""
+    choices, answered from ``known`` this time, and goes on where it stopped.
+
+    A measurement composed of several fake steps of shallow copies (:mod:`oomguard._planner.compose`) may stop
+    between two of them (:meth:`gate`), so that a call's search is about the time given whatever a measurement
+    costs: the caller keeps the steps it ran, which the measurement takes again in the later dry run."""
 
     def __init__(self, seconds: float | None, known: dict[Plan, Candidate] | None = None) -> None:
         self.known = {} if known is None else known
         self.deadline = None if seconds is None else time.monotonic() + seconds
         self.new, self.complete = 0, True
         self._spent = 0.0  # seconds the new measurements took
+        self._gated = 0  # fake steps started through the gate
+        self._first = 0.0  # when the first of them started
 
     def more(self) -> bool:
         """Whether the search may measure one more plan (:func:`search`'s ``more``)."""
         if self.new and self.deadline is not None and time.monotonic() + self._spent / self.new > self.deadline:
             self.complete = False
         return self.complete
+
+    def gate(self) -> None:
+        """Before each fake step of a measurement: raise :class:`Paused` where it is expected to end past the time, by
+        the mean of those this dry run started so far (its first always runs: every dry run of a search measures
+        something)."""
+        now = time.monotonic()
+        if self._gated and self.deadline is not None and now + (now - self._first) / self._gated > self.deadline:
+            self.complete = False
+        if not self.complete:
+            raise Paused
+        if not self._gated:
+            self._first = now
+        self._gated += 1
 
     def fits(self, measure: Callable[[Plan], Candidate], known: Callable[[Candidate], None]) -> Callable[[Plan], bool]:
         """:func:`search`'s ``fits``: whether a plan fits, by ``measure`` or, for a plan measured before, from what

@@ -33,14 +33,25 @@ class Bench(Protocol):
     def measure(self, plan: Plan) -> tuple[Candidate, int]: ...
 
 
-def walk(bench: Bench, ladder: Ladder, context: RungContext, start: Plan | None = None) -> None:
+def walk(
+    bench: Bench,
+    ladder: Ladder,
+    context: RungContext,
+    start: Plan | None = None,
+    failed: tuple[Plan, Phase] | None = None,
+) -> None:
     """Down the ladder from ``start`` (the plain plan), as the guard would go after an OOM in the same phase,
     until a plan fits; then the largest micro-batch that fits in its configuration (and, on a small model, before
     and after it splits the batch, the same configuration with its exact activation rungs as deep as they go:
     :func:`fewer_micro_batches`). A plan the host has no room for is left for what another rung makes of the plan
     before it, as the guard's walk leaves a rung whose host memory is past the budget: the rungs after it would
     only add to the device's relief, not take from the host's load (TinyLlama's offloaded state needs 20.5 GiB of
-    host memory on every plan that walks on from it)."""
+    host memory on every plan that walks on from it).
+
+    ``failed``: a plan that ran out of memory on the device itself, and the phase it did (the guard's jump, after a
+    real OOM). Where it is the plan the walk starts from, the walk starts past it, as the guard's own walk would,
+    without measuring it again: unless the next rung splits the batch, whose micro-batch size a measurement of the
+    whole batch predicts."""
     size, grad_bytes = bench.size, bench.runner.grad_bytes
     peaks = PeakModel(margin=0.0)  # the measurements are exact: no safety margin on top of the overhead
     per_sample = items_per_sample(bench.batch, size)
@@ -48,6 +59,11 @@ def walk(bench: Bench, ladder: Ladder, context: RungContext, start: Plan | None 
     came: tuple[Plan, RungContext] | None = None  # the plan that did not fit on the device, and its context
     refused: set[str] = set()  # rungs whose plans the host has no room for
     step: tuple[Rung, Plan] | None = None  # the rung that made ``plan``, and ``plan``
+    if failed is not None and failed[0] == plan:
+        past = (plan, dataclasses.replace(context, phase=failed[1]))
+        following = ladder.next(*past)
+        if following is not None and following[0] is not ladder.sizing:
+            came, step, plan = past, following, following[1]
     while plan is not None and plan not in {c.plan for c in bench.candidates}:
         measured, base = bench.measure(plan)
         if measured.fits:
