@@ -141,6 +141,18 @@ def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
 
     norms: list[float] = []
     FSDPAgreement.clip = armed_clip  # type: ignore[method-assign]
+    allocate = FSDPAgreement._allocate
+    injected = [0]  # gated allocations that failed with this rank's injected fault (others: the budget's own OOMs)
+
+    def counted_allocate(self: FSDPAgreement, *args: Any) -> torch.Tensor:
+        pending = gpu.fault_pending
+        try:
+            return allocate(self, *args)
+        except Exception:
+            injected[0] += pending and not gpu.fault_pending  # (the fault fired here)
+            raise
+
+    FSDPAgreement._allocate = counted_allocate  # type: ignore[method-assign]
 
     def train_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         loss = model(**batch).loss
@@ -172,6 +184,7 @@ def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
         agreement = guard._runner.agreement
         report["agreement"] = type(agreement).__name__
         report["gate_failures"] = getattr(agreement, "gate_failures", None)
+        report["injected_gate_failures"] = injected[0]
     report["faults_fired"] = armed
     report["norms"] = norms
     report["adam_steps"] = sorted({int(optimizer.state[p]["step"]) for p in model.parameters()})

@@ -308,6 +308,7 @@ def test_the_cyclic_collector_is_paused_during_a_dry_run_and_left_as_it_was(
     monkeypatch.setattr(fakes, "dry_run", lambda *a, **k: seen.append(gc.isenabled()) or dry_run(*a, **k))
     model = make_mlp(width=WIDTH)
     guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    alive = fakes_alive()  # (what other tests in this process left)
     was = gc.isenabled()
     (gc.enable if enabled else gc.disable)()
     try:
@@ -318,7 +319,7 @@ def test_the_cyclic_collector_is_paused_during_a_dry_run_and_left_as_it_was(
     finally:
         (gc.enable if was else gc.disable)()
     assert seen == [False] and after is enabled, "the jump's dry run ran with the collector paused"
-    assert not fakes_alive()
+    assert fakes_alive() <= alive
 
 
 def test_measuring_the_device_allocates_nothing_a_simulated_budget_counts() -> None:

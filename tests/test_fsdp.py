@@ -56,8 +56,11 @@ def test_every_rank_recovers_from_one_ranks_oom_anywhere_in_an_fsdp2_step(sharde
     assert not any(rank0["faults_fired"].values()), "only rank 1 ran out of memory"
     assert rank0["agreement"] == rank1["agreement"] == "FSDPAgreement"
     # Rank 1's all-gather and reduce-scatter buffers failed to allocate inside the gated comms: it passed their
-    # gates with its failure, and rank 0 was never left in either collective.
-    assert rank1["gate_failures"] == 2 and rank0["gate_failures"] == 0
+    # gates with its failure, and rank 0 was never left in either collective. (Under a quarter of the plain step's
+    # peak either rank may also run out of memory in a gated allocation of its own: each passes its gate the same
+    # way, and which allocation it is moves with the collector's timing, so those are counted apart.)
+    assert rank1["injected_gate_failures"] == 2 and rank0["injected_gate_failures"] == 0
+    assert rank1["gate_failures"] >= 2
     assert rank0["budget"] == rank0["peak"] // 4, "a quarter of the plain FSDP step's peak"
     assert [s["plan"] for s in rank0["steps"]] == [s["plan"] for s in rank1["steps"]], "one plan on every rank"
     assert [s["ooms"] for s in rank0["steps"]] == [s["ooms"] for s in rank1["steps"]]
