@@ -293,6 +293,39 @@ def test_a_search_over_several_calls_takes_at_most_its_share_of_the_steps_time(
     assert searched == [0, 20, 40]
 
 
+def test_a_search_over_batches_of_other_shapes_composes_no_plan_from_two_shapes_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bucket's batches may differ in shape (it rounds the size up to a power of two): the shallow steps a search
+    keeps from one call to the next are of one batch shape, and a call on a batch of another shape starts them
+    afresh (a plan composed of steps of two shapes would be neither's); the plans it measured are kept."""
+    settled = Plan(micro_batch_size=1)
+    foresight = Foresight.__new__(Foresight)
+    foresight._due, foresight._tuning, foresight._steady, foresight._searches = {}, {}, {}, {}
+    foresight.options = type("Options", (), {"tune_after": 1})()  # type: ignore[assignment]
+    foresight.agreement, foresight.device = None, torch.device("cpu")
+    monkeypatch.setattr(foresight_module, "measure_speed", lambda *args: DeviceSpeed())
+    monkeypatch.setattr(foresight_module, "SEARCH_SHARE", float("inf"))  # (a search in every call)
+    given: list[tuple[Any, Any]] = []
+
+    def dry_run(batch: Any, backend: Any, **planning: Any) -> Any:
+        given.append((planning["traces"], planning["known"]))
+        planning["traces"][batch["input_ids"].shape] = "a shallow step"
+        return type("Report", (), {"complete": False, "seconds": 0.1, "fake_steps": 1, "candidates": []})()
+
+    foresight._dry_run = dry_run  # type: ignore[method-assign]
+    foresight.settled(7)
+    foresight.timed(Choice(7, settled), settled, True, 0.1)
+    for length in (60, 60, 64, 64, 60):  # (16 x 60 and 16 x 64: one bucket)
+        batch = {"input_ids": torch.zeros(16, length, dtype=torch.long)}
+        foresight.choose(Choice(7, settled), batch, 16, None)  # type: ignore[arg-type]
+        foresight.timed(Choice(7, settled), settled, True, 0.1)
+    traces = [id(t) for t, _ in given]
+    assert traces[0] == traces[1] != traces[2] == traces[3] != traces[4], "kept while the shape stays"
+    assert all(len(t) == 1 for t, _ in given), "each call's steps: of its own shape alone"
+    assert len({id(k) for _, k in given}) == 1, "the plans measured are the search's, whatever the shape"
+
+
 def test_tuning_whose_search_takes_several_calls_trials_the_same_plans_and_stays_exact(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

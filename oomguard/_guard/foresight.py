@@ -37,7 +37,7 @@ from oomguard._backends.units import format_bytes
 from oomguard._distributed.agreement import Agreement
 from oomguard._effects.effects import Effects
 from oomguard._events import PlannedEvent, logger
-from oomguard._guard.answers import Answers
+from oomguard._guard.answers import Answers, batch_signature
 from oomguard._guard.buckets import Buckets, Choice
 from oomguard._guard.call import Call
 from oomguard._guard.persist import PlanStore
@@ -86,7 +86,10 @@ class _Search:
     size: int
     speed: DeviceSpeed
     known: dict[Plan, Candidate] = field(default_factory=dict)
-    traces: dict[tuple[Plan, int, int], Trace] = field(default_factory=dict)  # (shallow steps: SearchBudget)
+    #: The shallow steps of composed measurements (SearchBudget), of batches of one shape (``signature``): a plan is
+    #: composed from steps of one batch, and a bucket's batches may differ in shape.
+    traces: dict[tuple[Plan, int, int], Trace] = field(default_factory=dict)
+    signature: str = ""
     seconds: float = 0.0
     fake_steps: int = 0
     calls: int = 0
@@ -331,6 +334,8 @@ class Foresight:
         steady = self._steady.get(bucket) or [0.0]
         if not search.due(steady):
             return None  # (it has had its share of the time: this call trains on the settled plan alone)
+        if search.signature != (signature := batch_signature(batch)):
+            search.signature, search.traces = signature, {}
         report = self._dry_run(
             batch,
             backend,
