@@ -480,3 +480,26 @@ def test_a_search_with_no_time_runs_one_shallow_step_a_call_and_ends_where_one_c
     figures = {(c.plan, c.peak_bytes, c.host_bytes, c.fits) for c in last.candidates}
     assert figures == {(c.plan, c.peak_bytes, c.host_bytes, c.fits) for c in whole.candidates}
     assert len(traced) == len(set(traced)) == len(once) and set(traced) == set(once)
+
+
+@pytest.mark.parametrize("searched", [False, True], ids=["walk", "search"])
+def test_a_refuted_composition_is_walked_again_in_full_but_not_searched_again(
+    searched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the full step refutes every composed plan that fitted, a walk is run again on the deep model; tuning's
+    search is not (its trials on real steps drop a plan that does not fit, and in full, over as many calls as a
+    search takes, it would start over in each and never end): its dry run is complete, with no full step."""
+    from oomguard._planner import compose, engine
+
+    monkeypatch.setattr(engine, "confirm", lambda *args: compose.Confirmed(stands=False, measured=True))
+    forwards: list[int] = []
+    build = counting_deep_forwards(forwards)
+    with FakeTensorMode():
+        step, model, optimizer = build(LAYERS)
+        common = {"model": model, "optimizer": optimizer, "target": "simulated", "label": "llama", "shallow": build}
+        plain = dry_run(step, lm_batch(4, 32), capacity=2**40, plans=[Plan()], **common)
+        capacity, before = plain.candidates[0].peak_bytes * 3 // 4, len(forwards)
+        asked: dict[str, Any] = {"search_around": Plan()} if searched else {}
+        report = dry_run(step, lm_batch(4, 32), capacity=capacity, **asked, **common)
+    assert report.complete and not report.composed
+    assert (len(forwards) > before) is not searched, "the deep model's steps: the walk's again in full, no search's"

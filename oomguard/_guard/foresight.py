@@ -46,7 +46,7 @@ from oomguard._guard.tuned import Trials, Tuned
 from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._options import GuardOptions
-from oomguard._planner.compose import Trace
+from oomguard._planner.compose import Traces
 from oomguard._planner.fakes import memory_was_short, planning_capacity, preplan
 from oomguard._planner.report import Candidate, PlanReport
 from oomguard._planner.speed import DeviceSpeed, measure_speed
@@ -88,7 +88,7 @@ class _Search:
     known: dict[Plan, Candidate] = field(default_factory=dict)
     #: The shallow steps of composed measurements (SearchBudget), of batches of one shape (``signature``): a plan is
     #: composed from steps of one batch, and a bucket's batches may differ in shape.
-    traces: dict[tuple[Plan, int, int], Trace] = field(default_factory=dict)
+    traces: Traces = field(default_factory=dict)
     signature: str = ""
     seconds: float = 0.0
     fake_steps: int = 0

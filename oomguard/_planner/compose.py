@@ -34,7 +34,18 @@ from oomguard._planner.report import Candidate
 from oomguard._planner.search import Paused
 from oomguard._planner.speed import DeviceSpeed
 
-__all__ = ["CLEAR", "MIN_BLOCKS", "Composed", "Confirmed", "Trace", "compose", "confirm", "points", "uniform_blocks"]
+__all__ = [
+    "CLEAR",
+    "MIN_BLOCKS",
+    "Composed",
+    "Confirmed",
+    "Trace",
+    "Traces",
+    "compose",
+    "confirm",
+    "points",
+    "uniform_blocks",
+]
 
 logger = logging.getLogger("oomguard")
 
@@ -88,6 +99,11 @@ class Trace:
         if self.base > budget or late > budget:
             return Phase.OPTIMIZER
         return self.crossed or Phase.FORWARD
+
+
+#: Shallow steps run, by the plan on the shallow model, its blocks and layer offload's ``prefetch_from``: what
+#: :class:`Composed` keeps, and a search keeps from one of its dry runs to the next.
+Traces = dict[tuple[Plan, int, int], Trace]
 
 
 def points(plan: Plan, blocks: int, prefetching: bool = False, fewest: int = 1) -> list[tuple[Plan, int, float]]:
@@ -197,7 +213,7 @@ class Composed:
         blocks: int,
         shallow: Callable[[int], Any],
         helped: bool = False,
-        traces: dict[tuple[Plan, int, int], Trace] | None = None,
+        traces: Traces | None = None,
     ) -> None:
         self.deep, self.blocks, self._make, self._helped = deep, blocks, shallow, helped
         self._fewest = 1 if is_transformers_model(deep.runner.effects.target.model) else 2  # (see points)
@@ -208,10 +224,10 @@ class Composed:
         #: The candidates composed so far (not measured in full); why composing stopped, if it did.
         self.composed: list[Candidate] = []
         self.failed: str | None = None
-        self.refuted = False  # every composed plan that fitted did not in full: the dry run measured all in full
+        self.refuted = False  # every composed plan that fitted did not in full (a walk then measured all in full)
         self.made = 0  # candidates composed (some may then have been measured in full)
         self.confirmed = False  # a composed recommendation was measured in full (confirm)
-        self._traces: dict[tuple[Plan, int, int], Trace] = {} if traces is None else traces
+        self._traces: Traces = {} if traces is None else traces
 
     @property
     def steps(self) -> int:

@@ -36,7 +36,7 @@ from oomguard._ladder.plan import Phase, Plan
 from oomguard._ladder.rungs import Rung, RungContext
 from oomguard._options import GuardOptions, build_runner, model_context
 from oomguard._planner.bench import StepBench, close
-from oomguard._planner.compose import MIN_BLOCKS, Composed, Trace, confirm
+from oomguard._planner.compose import MIN_BLOCKS, Composed, Traces, confirm
 from oomguard._planner.helper import usable
 from oomguard._planner.masks import unpadded_masks
 from oomguard._planner.reads import PlaceholderReads
@@ -87,7 +87,7 @@ def dry_run(
     host_budget: int | None = None,
     search_seconds: float | None = None,
     known: dict[Plan, Candidate] | None = None,
-    traces: dict[tuple[Plan, int, int], Trace] | None = None,
+    traces: Traces | None = None,
     shallow: Shallow | None = None,
     every_parameter_steps: bool = False,
     helper: bool = False,
@@ -183,9 +183,14 @@ def _planned(
                     bench.every_parameter_steps = bench.every_parameter_steps or composed.stepped_every_parameter()
                     confirmed = confirm(bench, composed.composed)
                     composed.confirmed = confirmed.measured
-                    if not confirmed.stands:
-                        composed.refuted = True  # (the walk followed a wrong composition: walked again, in full)
-                        budget = _again(bench, ladder, context, asked, search_seconds)
+                    composed.refuted = not confirmed.stands
+                    # A walk that followed a wrong composition is walked again, in full. A search is not: each plan
+                    # it composed that fitted was measured in full and did not fit, and the guard's tuning times the
+                    # plans it ranks fastest on real steps, where one that does not fit is dropped (in full, over as
+                    # many calls as a search takes, it would start over in each and never end).
+                    if composed.refuted and asked.search_around is None:
+                        bench.candidates.clear()
+                        _measure(bench, ladder, context, asked, budget)
             except Paused:  # (the search's time is up between two fake steps of a measurement)
                 pass
         finally:
@@ -211,17 +216,6 @@ def _measure(bench: Bench, ladder: Ladder, context: RungContext, asked: _Asked, 
         master = master_weights_instead(bench.candidates, ladder, context) if asked.bf16 else None
         if master is not None:
             walk(bench, ladder, context, start=master)
-
-
-def _again(
-    bench: StepBench, ladder: Ladder, context: RungContext, asked: _Asked, search_seconds: float | None
-) -> SearchBudget:
-    """:func:`_measure` once more, every plan in full, the composed candidates forgotten."""
-    bench.candidates.clear()
-    budget = SearchBudget(search_seconds)
-    bench.gate = budget.gate
-    _measure(bench, ladder, context, asked, budget)
-    return budget
 
 
 def _as_fp16(candidates: list[Candidate]) -> list[Candidate]:
@@ -254,7 +248,7 @@ def _composed(
     options: GuardOptions,
     residue: Residue,
     helped: bool,
-    traces: dict[tuple[Plan, int, int], Trace] | None,
+    traces: Traces | None,
 ) -> Composed | None:
     """The bench composing ``deep``'s plans from shallow ones (those in ``traces`` already run), where ``shallow`` is
     given and the model is deep enough to gain from it; None: every plan is measured on ``deep``. ``residue`` is

@@ -31,7 +31,7 @@ from oomguard._effects.effects import Effects
 from oomguard._effects.sharding import is_fsdp
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._options import GuardOptions
-from oomguard._planner.compose import Trace, uniform_blocks
+from oomguard._planner.compose import Traces, uniform_blocks
 from oomguard._planner.engine import Residue, ShallowModel, dry_run
 from oomguard._planner.isolation import Kept, leftovers
 from oomguard._planner.report import CUDA_CONTEXT_BYTES, Candidate, PlanReport, Target
@@ -62,7 +62,7 @@ def preplan(
     host_budget: int | None = None,
     search_seconds: float | None = None,
     known: dict[Plan, Candidate] | None = None,
-    traces: dict[tuple[Plan, int, int], Trace] | None = None,
+    traces: Traces | None = None,
     failed: tuple[Plan, Phase] | None = None,
 ) -> PlanReport | None:
     """The planner's answer for a guard's step on this device, or None (logged) where it cannot tell.
