@@ -487,8 +487,8 @@ def test_a_refuted_composition_is_walked_again_in_full_but_not_searched_again(
     searched: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the full step refutes every composed plan that fitted, a walk is run again on the deep model; tuning's
-    search is not (its trials on real steps drop a plan that does not fit, and in full, over as many calls as a
-    search takes, it would start over in each and never end): its dry run is complete, with no full step."""
+    search is not (full steps of the deep model inside a training call, where its trials on real steps drop a plan
+    that does not fit): its dry run is complete, with no full step."""
     from oomguard._planner import compose, engine
 
     monkeypatch.setattr(engine, "confirm", lambda *args: compose.Confirmed(stands=False, measured=True))

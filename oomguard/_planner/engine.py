@@ -184,10 +184,10 @@ def _planned(
                     confirmed = confirm(bench, composed.composed)
                     composed.confirmed = confirmed.measured
                     composed.refuted = not confirmed.stands
-                    # A walk that followed a wrong composition is walked again, in full. A search is not: each plan
-                    # it composed that fitted was measured in full and did not fit, and the guard's tuning times the
-                    # plans it ranks fastest on real steps, where one that does not fit is dropped (in full, over as
-                    # many calls as a search takes, it would start over in each and never end).
+                    # A walk that followed a wrong composition is walked again, in full. A search is not (full steps
+                    # of the deep model, inside a training call): each plan it composed that fitted was measured in
+                    # full and did not fit, and the guard's tuning times the plans it ranks fastest on real steps,
+                    # where one that does not fit is dropped.
                     if composed.refuted and asked.search_around is None:
                         bench.candidates.clear()
                         _measure(bench, ladder, context, asked, budget)
