@@ -3,6 +3,7 @@ measures, within a fraction of a percent, for every rung; and ``oomguard plan`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -339,19 +340,30 @@ def counting_deep_forwards(forwards: list[int]) -> Any:
     return build
 
 
+def short_of_the_whole_batch(forwards: list[int]) -> tuple[Callable[..., Any], int]:
+    """(In a ``FakeTensorMode``.) A dry run of the deep Llama of :func:`counting_deep_forwards` with its shallow copies
+    (called with ``dry_run``'s other arguments), and a capacity of 3/4 of its plain step's peak: there the whole batch
+    does not fit, so a walk goes down the ladder and a search goes on."""
+    build = counting_deep_forwards(forwards)
+    step, model, optimizer = build(LAYERS)
+
+    def run(**planning: Any) -> Any:
+        return dry_run(step, lm_batch(4, 32), model=model, optimizer=optimizer, target="simulated", label="llama",
+                       shallow=build, **planning)  # fmt: skip
+
+    plain = run(capacity=2**40, plans=[Plan()])
+    return run, plain.candidates[0].peak_bytes * 3 // 4
+
+
 def test_a_search_cut_short_by_its_time_confirms_nothing(always_confirmed: None) -> None:
     """Tuning's search runs over several calls; a call whose search stops for time gives nothing to the guard, so
     its dry run runs no full step of the deep model (the call that completes the search confirms its answer)."""
     forwards: list[int] = []
-    build = counting_deep_forwards(forwards)
     with FakeTensorMode():
-        step, model, optimizer = build(LAYERS)
-        common = {"model": model, "optimizer": optimizer, "target": "simulated", "label": "llama", "shallow": build}
-        plain = dry_run(step, lm_batch(4, 32), capacity=2**40, plans=[Plan()], **common)
-        capacity = plain.candidates[0].peak_bytes * 3 // 4  # (the whole batch does not fit: the search goes on)
-        cut = dry_run(step, lm_batch(4, 32), capacity=capacity, search_around=Plan(), search_seconds=0.0, **common)
+        run, capacity = short_of_the_whole_batch(forwards)
+        cut = run(capacity=capacity, search_around=Plan(), search_seconds=0.0)
         confirmed = len(forwards)
-        whole = dry_run(step, lm_batch(4, 32), capacity=capacity, search_around=Plan(), **common)
+        whole = run(capacity=capacity, search_around=Plan())
     assert not cut.complete and confirmed == 1, "the plain plan's confirmation only"
     assert whole.complete and len(forwards) > confirmed
 
@@ -453,25 +465,16 @@ def test_a_search_with_no_time_runs_one_shallow_step_a_call_and_ends_where_one_c
 
     monkeypatch.setattr(StepBench, "trace", counted)
     with FakeTensorMode():
-
-        def build(layers: int) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
-            model = make_llama(layers=layers, hidden=32)
-            return (lambda b: model(**b)), model, torch.optim.AdamW(model.parameters(), foreach=True)
-
-        step, model, optimizer = build(LAYERS)
-        common = {"model": model, "optimizer": optimizer, "target": "simulated", "label": "llama", "shallow": build}
-        plain = dry_run(step, lm_batch(4, 32), capacity=2**40, plans=[Plan()], **common)
-        capacity = plain.candidates[0].peak_bytes * 3 // 4  # (the whole batch does not fit: there is a search)
+        run, capacity = short_of_the_whole_batch([])
         traced.clear()
-        whole = dry_run(step, lm_batch(4, 32), capacity=capacity, search_around=Plan(), **common)
+        whole = run(capacity=capacity, search_around=Plan())
         once, traced[:] = list(traced), []
         known: dict[Plan, Candidate] = {}
         traces: dict[Any, Any] = {}
         runs = []
         while not runs or not runs[-1][0].complete:
             before = len(traced)
-            report = dry_run(step, lm_batch(4, 32), capacity=capacity, search_around=Plan(), search_seconds=0.0,
-                             known=known, traces=traces, **common)  # fmt: skip
+            report = run(capacity=capacity, search_around=Plan(), search_seconds=0.0, known=known, traces=traces)
             runs.append((report, len(traced) - before))
     assert whole.complete and len(runs) > 2
     assert all(new == 1 for _, new in runs[:-1]), "one shallow step a call: a measurement stops between its steps"
@@ -493,13 +496,9 @@ def test_a_refuted_composition_is_walked_again_in_full_but_not_searched_again(
 
     monkeypatch.setattr(engine, "confirm", lambda *args: compose.Confirmed(stands=False, measured=True))
     forwards: list[int] = []
-    build = counting_deep_forwards(forwards)
     with FakeTensorMode():
-        step, model, optimizer = build(LAYERS)
-        common = {"model": model, "optimizer": optimizer, "target": "simulated", "label": "llama", "shallow": build}
-        plain = dry_run(step, lm_batch(4, 32), capacity=2**40, plans=[Plan()], **common)
-        capacity, before = plain.candidates[0].peak_bytes * 3 // 4, len(forwards)
-        asked: dict[str, Any] = {"search_around": Plan()} if searched else {}
-        report = dry_run(step, lm_batch(4, 32), capacity=capacity, **asked, **common)
+        run, capacity = short_of_the_whole_batch(forwards)
+        before = len(forwards)
+        report = run(capacity=capacity, **({"search_around": Plan()} if searched else {}))
     assert report.complete and not report.composed
     assert (len(forwards) > before) is not searched, "the deep model's steps: the walk's again in full, no search's"

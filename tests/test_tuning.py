@@ -263,6 +263,17 @@ def test_a_search_starts_no_measurement_it_expects_to_end_past_its_time(monkeypa
     assert started == 3 and not budget.complete
 
 
+def bookkeeping(monkeypatch: pytest.MonkeyPatch) -> Foresight:
+    """Tuning's bookkeeping alone: a Foresight of no guard, whose buckets tune after 1 clean step, on a device whose
+    speed is the default model's (set its ``_dry_run`` for the searches)."""
+    foresight = Foresight.__new__(Foresight)
+    foresight._due, foresight._tuning, foresight._steady, foresight._searches = {}, {}, {}, {}
+    foresight.options = type("Options", (), {"tune_after": 1})()  # type: ignore[assignment]
+    foresight.agreement, foresight.device = None, torch.device("cpu")
+    monkeypatch.setattr(foresight_module, "measure_speed", lambda *args: DeviceSpeed())
+    return foresight
+
+
 def test_a_search_over_several_calls_takes_at_most_its_share_of_the_steps_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -270,11 +281,7 @@ def test_a_search_over_several_calls_takes_at_most_its_share_of_the_steps_time(
     0.1 s. The first call searches; a later one only once the steps since the search began took twice what it
     spent (SEARCH_SHARE 0.5): 20 steps between the first two searches, not a search in every call."""
     settled = Plan(micro_batch_size=1)
-    foresight = Foresight.__new__(Foresight)
-    foresight._due, foresight._tuning, foresight._steady, foresight._searches = {}, {}, {}, {}
-    foresight.options = type("Options", (), {"tune_after": 1})()  # type: ignore[assignment]
-    foresight.agreement, foresight.device = None, torch.device("cpu")
-    monkeypatch.setattr(foresight_module, "measure_speed", lambda *args: DeviceSpeed())
+    foresight = bookkeeping(monkeypatch)
     searched: list[int] = []
 
     def dry_run(*args: Any, **planning: Any) -> Any:
@@ -300,11 +307,7 @@ def test_a_search_over_batches_of_other_shapes_composes_no_plan_from_two_shapes_
     keeps from one call to the next are of one batch shape, and a call on a batch of another shape starts them
     afresh (a plan composed of steps of two shapes would be neither's); the plans it measured are kept."""
     settled = Plan(micro_batch_size=1)
-    foresight = Foresight.__new__(Foresight)
-    foresight._due, foresight._tuning, foresight._steady, foresight._searches = {}, {}, {}, {}
-    foresight.options = type("Options", (), {"tune_after": 1})()  # type: ignore[assignment]
-    foresight.agreement, foresight.device = None, torch.device("cpu")
-    monkeypatch.setattr(foresight_module, "measure_speed", lambda *args: DeviceSpeed())
+    foresight = bookkeeping(monkeypatch)
     monkeypatch.setattr(foresight_module, "SEARCH_SHARE", float("inf"))  # (a search in every call)
     given: list[tuple[Any, Any]] = []
 
