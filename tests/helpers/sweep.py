@@ -45,6 +45,7 @@ from helpers.devices import CountingGPU
 from helpers.models import make_llama, make_qwen2
 from oomguard import OOMEvent, OOMGuard, Plan, StepResult
 from oomguard._effects.hoststep import HostStep
+from oomguard._planner.fakes import _collector_paused
 
 CAPACITY = "64MiB"  # roomy: the only out-of-memory errors are the injected ones
 MAX_GRAD_NORM = 0.05  # small enough that clipping really rescales the gradients
@@ -271,17 +272,10 @@ def young_garbage_only(warm_up: Callable[[], object]) -> Iterator[None]:
         gc.unfreeze()
 
 
-@contextlib.contextmanager
-def automatic_gc_off() -> Iterator[None]:
-    """No garbage collection but the guard's explicit ``gc.collect()``: what a failed attempt leaves in reference
-    cycles is then still in use after the step unless the guard collected it, whatever the collector's timing."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+#: No garbage collection but the guard's explicit ``gc.collect()``: what a failed attempt leaves in reference cycles
+#: is then still in use after the step unless the guard collected it, whatever the collector's timing (the pause the
+#: guard's dry runs run under, the collector as it was after).
+automatic_gc_off = _collector_paused
 
 
 class PhaseGPU(CountingGPU):
