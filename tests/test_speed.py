@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from oomguard import Plan
 from oomguard._cli.main import main
 from oomguard._planner.engine import dry_run
-from oomguard._planner.speed import DeviceSpeed
+from oomguard._planner.speed import DeviceSpeed, measure_speed
 
 PLANS = [
     Plan(),
@@ -146,3 +146,12 @@ def test_the_cli_takes_the_device_model(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit) as bad:
         main([*args, "--link-gbps", "0"])
     assert bad.value.code == 2 and "positive" in capsys.readouterr().err
+
+
+def test_measuring_the_device_leaves_the_jobs_random_stream_where_it_was() -> None:
+    """The measure's draws are seeded and its own (torch's, not numpy's, which ``pip install oomguard`` lacks):
+    tuning measures the device inside a training call, whose dropout and shuffling must not shift."""
+    state = torch.get_rng_state()
+    speed = measure_speed(torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert speed.fp32_tflops > 0 and speed.link_gbps > 0 and speed.host_params_per_second > 0

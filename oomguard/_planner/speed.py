@@ -42,7 +42,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import flop_registry
@@ -178,10 +177,15 @@ def _measured(device: torch.device, backend: Any) -> DeviceSpeed:
     cuda = device.type == "cuda"
     size = 2048 if cuda else 256
 
+    def drawn(*shape: int, on: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        # A generator of its own, seeded: the same numbers each measure, and the job's random streams (dropout,
+        # shuffling, on the host and the device) left where they were
+        return torch.randn(*shape, generator=torch.Generator(on).manual_seed(0), device=on, dtype=dtype)
+
     def tensor(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if cuda:
-            return torch.randn(*shape, device=device, dtype=dtype)
-        made = torch.from_numpy(np.random.default_rng(0).standard_normal(shape, dtype=np.float32))
+            return drawn(*shape, on=device, dtype=dtype)
+        made = drawn(*shape)
         return (made if backend is None else backend.to_host(made)).to(dtype)  # (what ops on it make: host too)
 
     def best(run: Callable[[], Any], repeats: int = 3) -> float:
@@ -210,9 +214,7 @@ def _measured(device: torch.device, backend: Any) -> DeviceSpeed:
         copy_seconds = best(lambda: host.copy_(moved))
     else:
         copy_seconds = best(lambda: moved.clone())
-    params = [torch.nn.Parameter(tensor(1 << 16))]  # the host optimizer runs on host tensors wherever the device is
-    if cuda:
-        params = [torch.nn.Parameter(torch.randn(1 << 16))]
+    params = [torch.nn.Parameter(drawn(1 << 16) if cuda else tensor(1 << 16))]  # (the host optimizer: host tensors)
     params[0].grad = torch.ones_like(params[0])
     adam = torch.optim.AdamW(params, foreach=True)
     adam_seconds = best(adam.step)
