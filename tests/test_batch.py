@@ -11,9 +11,10 @@ import torch
 from helpers.batch_trees import KEYS, OTHER_LEAVES, Pair, assert_rejoins, nested_batches, shares_storage
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._pytree import tree_flatten
 
 from oomguard import BatchSplitError, batch_size, split_batch
-from oomguard._step.batch import count_items, default_item_counter
+from oomguard._step.batch import count_items, default_item_counter, first_samples
 
 IGNORE = -100
 
@@ -296,6 +297,20 @@ def test_split_then_join_gives_the_batch_back(drawn: tuple[Any, int], micro_batc
     sizes = [batch_size(part) for part in parts]
     assert sizes == [min(micro_batch_size, n - start) for start in range(0, n, micro_batch_size)]
     assert_rejoins(batch, parts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(nested_batches(), st.integers(1, 12))
+def test_the_first_samples_are_the_first_part_of_the_split(drawn: tuple[Any, int], count: int) -> None:
+    """The planner's warm-up and fake steps take a batch's first samples alone (slicing a million rows to use one
+    cost minutes): the same part, of the same types, as the split's first."""
+    batch, _ = drawn
+    first, part = first_samples(batch, count), split_batch(batch, count)[0]
+    (got, got_spec), (expected, expected_spec) = tree_flatten(first), tree_flatten(part)
+    assert got_spec == expected_spec
+    for a, b in zip(got, expected, strict=True):
+        assert type(a) is type(b)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
 @st.composite

@@ -19,7 +19,7 @@ from oomguard._planner.reads import PlaceholderReads
 from oomguard._planner.regions import stack
 from oomguard._planner.report import Candidate, Target, device_overhead, tensor_budget
 from oomguard._planner.speed import DeviceSpeed, FlopCount
-from oomguard._step.batch import batch_size, split_batch
+from oomguard._step.batch import batch_size, first_samples
 from oomguard._step.runner import StepRunner
 
 __all__ = ["StepBench", "close", "tensors_of_batch", "two_micro_batches"]
@@ -79,7 +79,7 @@ class StepBench:
                     self.steps += 1
                     self._optimizer_step(Plan())
                 else:
-                    self.run(split_batch(self.batch, 1)[0], Plan())
+                    self.run(first_samples(self.batch, 1), Plan())
 
     def stepped_every_parameter(self) -> bool:
         """Whether the steps run so far made optimizer state for every parameter the optimizer trains (none that
@@ -246,7 +246,7 @@ def two_micro_batches(batch: Any, plan: Plan, size: int) -> Any:
     like the second; the optimizer step does not depend on the batch at all.
     """
     micro = plan.effective_micro_batch_size(size)
-    return split_batch(batch, 2 * micro)[0] if 2 * micro < size else batch
+    return first_samples(batch, 2 * micro) if 2 * micro < size else batch
 
 
 def tensors_of_batch(batch: Any) -> list[torch.Tensor]:
