@@ -195,3 +195,51 @@ def test_the_jump_on_a_batch_of_many_rows_slices_only_the_samples_it_runs(
     assert result.ooms >= 1 and jumped, "the first OOM ran the jump's dry run"
     fake_steps = jumped[0]["fake_steps"]
     assert 0 < counter.slices <= 2 * fake_steps, f"{counter.slices} slices of the 2 batch tensors in {fake_steps} steps"
+
+
+def test_an_oom_whose_rounded_figures_read_equal_still_jumps() -> None:
+    """The jump is for a shortage, not fragmentation: it compares what the message says was asked for with what it
+    says was free. Rounded as messages write them, the two read equal where the request passed what was free by a
+    little ("Tried to allocate 1.0 MiB ... of which 1024.0 KiB is free"): the jump was skipped (0 fake steps) where
+    the allocation had failed, so the request was the larger."""
+    from helpers.models import make_mlp
+    from helpers.steps import mse_step
+
+    from oomguard._backends.units import available_bytes, requested_bytes
+
+    torch.manual_seed(1)
+    batch = (torch.randn(4096, 16), torch.randn(4096))
+    budget: int | str = "4GiB"  # (the plain step's peak, measured first; then a byte short of it)
+    for options in ({"ladder": []}, {}):
+        model = make_mlp()
+        step = oom_guard(mse_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters()), **options)
+        with SimulatedGPU(budget) as gpu:
+            gpu.adopt(model)
+            result = step(batch)
+            budget = gpu.max_memory_allocated() - 1
+        step.guard.close()
+    events = [e.to_dict() for e in step.guard.events]
+    message = next(e["error"]["message"] for e in events if e["event"] == "oom")
+    assert requested_bytes(message) == available_bytes(message), f"the figures read equal: {message}"
+    fallback = next(e for e in events if e["event"] == "fallback")
+    assert fallback["fake_steps"] > 0 and "dry-run planner" in fallback["description"], fallback["description"]
+    assert result.ooms == 1
+
+
+@pytest.mark.parametrize(
+    ("message", "short"),
+    [
+        ("Tried to allocate 4.0 MiB. GPU 0 ... of which 4.0 MiB is free.", True),
+        ("Tried to allocate 1.00 GiB. GPU 0 ... of which 1024.00 MiB is free.", True),
+        ("Tried to allocate 2.00 MiB. GPU 0 ... of which 1.99 MiB is free.", True),
+        ("Tried to allocate 512 B. GPU 0 ... of which 512 B is free.", True),
+        ("Tried to allocate 2.00 MiB. GPU 0 ... of which 3.00 MiB is free.", False),  # fragmentation
+        ("Tried to allocate 4.0 MiB. GPU 0 ... of which 4.2 MiB is free.", False),
+        ("Tried to allocate 511 B. GPU 0 ... of which 512 B is free.", False),
+        ("CUDA out of memory. Tried to allocate 2.00 GiB", True),  # (nothing said of what was free)
+    ],
+)
+def test_memory_was_short_unless_the_figures_say_the_request_was_below_what_was_free(message: str, short: bool) -> None:
+    from oomguard._planner.fakes import memory_was_short
+
+    assert memory_was_short(message, torch.device("cpu")) is short

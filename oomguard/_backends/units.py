@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["GiB", "MiB", "format_bytes", "parse_bytes", "requested_bytes"]
+__all__ = ["GiB", "MiB", "available_bytes", "format_bytes", "parse_bytes", "requested_bytes", "rounding_of_figures"]
 
 MiB = 2**20
 GiB = 2**30
@@ -86,3 +86,29 @@ def available_bytes(message: str) -> int | None:
     sizes = [_size(match.group(1)) for pattern in _AVAILABLE for match in [pattern.search(message)] if match]
     known = [size for size in sizes if size is not None]
     return sum(known) if known else None
+
+
+def rounding_of_figures(message: str) -> float:
+    """How far, in bytes, the figures :func:`requested_bytes` and :func:`available_bytes` read from an out-of-memory
+    message may lie from the sizes they were rounded from, together: half the unit of the last digit written, for
+    each figure (``"4.0 MiB"``: 0.05 MiB; ``"512 B"``: half a byte). Figures that read equal, or within this, do not
+    say which was larger.
+
+    >>> rounding_of_figures("Tried to allocate 4.0 MiB. ... of which 4.0 MiB is free.") == 0.1 * MiB
+    True
+    """
+    figures = [match.group(1) for match in [_REQUESTED.search(message)] if match]
+    figures += [match.group(1) for pattern in _AVAILABLE for match in [pattern.search(message)] if match]
+    return sum(_half_unit(figure) for figure in figures)
+
+
+def _half_unit(text: str) -> float:
+    """Half the unit of the last digit of a size as written (``"1.50 MiB"``: 0.005 MiB), in bytes; 0 where it
+    cannot be read."""
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        return 0.0
+    number = match.group(1)
+    decimals = len(number.partition(".")[2])
+    return 0.5 * 10.0**-decimals * _UNITS[unit]

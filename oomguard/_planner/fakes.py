@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from oomguard._backends.dispatch import plain_tensors
 from oomguard._backends.memory import MemoryBackend
-from oomguard._backends.units import available_bytes, format_bytes, requested_bytes
+from oomguard._backends.units import available_bytes, format_bytes, requested_bytes, rounding_of_figures
 from oomguard._distributed.agreement import ddp_of, quiet_ddp
 from oomguard._effects.blocks import find_blocks
 from oomguard._effects.effects import Effects
@@ -281,10 +281,14 @@ def _isolated(model: torch.nn.Module, step_fn: Callable[[Any], Any]) -> Iterator
 def memory_was_short(message: str, device: torch.device) -> bool:
     """Whether an OOM asked for more than its message says was available: a shortage the planner can plan
     around, not fragmentation or an injected fault (where the planner would only say the plan fits). True where
-    the message does not say, or a per-process cap on CUDA makes the device's free figure meaningless."""
+    the message does not say, or a per-process cap on CUDA makes the device's free figure meaningless; and where
+    its rounded figures cannot tell the two apart ("Tried to allocate 4.0 MiB ... of which 4.0 MiB is free": the
+    allocation failed, so the request was the larger)."""
     requested, available = requested_bytes(message), available_bytes(message)
     capped = device.type == "cuda" and getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device) < 1
-    return requested is None or available is None or capped or requested > available
+    if requested is None or available is None or capped:
+        return True
+    return requested + rounding_of_figures(message) > available
 
 
 def _limit(total: int, device: torch.device, target: Target) -> int:
