@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.oomguard-installed
 
-.PHONY: demo test lint docs pytest bench clean
+.PHONY: demo test lint docs pytest wheel-check bench clean
 
 $(STAMP): setup.cfg pyproject.toml scripts/bootstrap.sh
 	PYTHON=$(PYTHON) sh scripts/bootstrap.sh $(VENV)
@@ -13,7 +13,7 @@ $(STAMP): setup.cfg pyproject.toml scripts/bootstrap.sh
 demo: $(STAMP)
 	$(BIN)/python -m oomguard demo
 
-test: lint docs pytest
+test: lint docs pytest wheel-check
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -28,6 +28,11 @@ docs: $(STAMP)
 # loadgroup: the jobs of several ranks (tests/helpers/launch.py's RANKS) share one worker and run one at a time.
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
+
+# The built wheel in a fresh venv that sees torch (and what torch requires) alone: every module imports or names
+# its extra, a guarded step recovers, `oomguard --help` runs. The test venv has numpy and the extras; users may not.
+wheel-check: $(STAMP)
+	$(BIN)/python scripts/wheel_check.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
