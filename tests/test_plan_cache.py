@@ -6,6 +6,7 @@ state file, takes the recorded answer where it holds for the room there is (:mod
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from helpers.models import make_mlp
 from helpers.steps import mse_step
 from torch._subclasses.fake_tensor import is_fake
 
-from oomguard import OOMGuard, Plan, PlannedEvent
+from oomguard import MicroBatch, OOMGuard, Plan, PlannedEvent
 from oomguard._cli.main import main
 from oomguard._guard.persist import PER_MODEL, PlanStore
 from oomguard.testing import SimulatedGPU
@@ -36,13 +37,20 @@ def counting(step: Callable[[Any], Any]) -> Any:
     return counted
 
 
-def job(state: Path | None, log: Path, steps: int = 3, hold: int = 0, **options: Any) -> tuple[list[Any], Any]:
+def job(
+    state: Path | None,
+    log: Path,
+    steps: int = 3,
+    hold: int = 0,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.SGD,
+    **options: Any,
+) -> tuple[list[Any], Any]:
     """A fresh job (a restart: a new model of the same seed, a new optimizer and guard) of ``steps`` calls on
     batches of the same shape; ``hold`` bytes of the device are held by something else meanwhile. Its results,
     and its step (whose ``fake_calls`` count the dry runs' calls)."""
     model = make_mlp(width=WIDTH)
     step = counting(mse_step(model))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer = optimizer_class(model.parameters(), lr=0.01)
     guard = OOMGuard(step, model=model, optimizer=optimizer, tune_after=None, state_file=state, log_file=log,
                      **options)  # fmt: skip
     with SimulatedGPU(BUDGET) as gpu:
@@ -183,3 +191,66 @@ def test_the_answers_in_the_state_file_are_bounded_per_model_and_device(tmp_path
     assert len(saved["answers"]) == PER_MODEL and len(saved["plans"]) == 1
     reader = PlanStore(state, "fingerprint", "device")
     assert reader.load() == {8: Plan(micro_batch_size=2)} and len(reader.answers) == PER_MODEL
+
+
+# -- issue 45, finding 7: recorded answers are filtered as remembered plans are ------------------------------
+
+DEFAULT_LADDER = ["chunked_loss", "micro_batch", "amp", "checkpointing", "activation_offload", "optimizer_offload",
+                  "layer_offload"]  # fmt: skip
+
+
+def recorded_answer_only(state: Path, **fields: Any) -> None:
+    """Keep only the answers in ``state`` (its plans dropped: the restart's bucket has no plan and jumps), each
+    answer's plan changed by ``fields`` (a hand edit)."""
+    document = json.loads(state.read_text())
+    document["plans"] = {}
+    for entry in document["answers"].values():
+        entry["plan"].update(fields)
+    state.write_text(json.dumps(document))
+
+
+#: A job's answer that another job sharing its state file cannot take: how the second job differs, how the
+#: answer was edited, the optimizer both run, and what the warning names.
+UNREACHABLE_ANSWERS: dict[str, tuple[dict[str, Any], dict[str, Any], type[torch.optim.Optimizer], str]] = {
+    "micro-batches below the ladder's smallest": (
+        {"ladder": [MicroBatch(min_size=64) if name == "micro_batch" else name for name in DEFAULT_LADDER]},
+        {},
+        torch.optim.SGD,
+        "micro_batch",
+    ),
+    "8-bit moments on a ladder without them": (
+        {},
+        {"quantized_optimizer": True},
+        torch.optim.AdamW,
+        "quantized_optimizer",
+    ),
+    "more layers offloaded than the model has": ({}, {"offload_layers": 99}, torch.optim.SGD, "layer_offload"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNREACHABLE_ANSWERS))
+def test_a_recorded_answer_this_job_could_not_reach_is_ignored_with_one_warning_and_planned_again(
+    case: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 45, finding 7: the answers were taken as they were: a job whose micro-batches stop at 64 samples ran
+    another job's micro-batches of 32, an edited answer engaged 8-bit moments on a job that never opted in, and
+    one naming 99 offloaded layers raised GuardConfigError in the call. A plan remembered under the same key was
+    already refused for the same reasons (Ladder.beyond): the answers now are too, and the batch is planned again."""
+    options, edit, optimizer_class, named = UNREACHABLE_ANSWERS[case]
+    state = tmp_path / "plans.json"
+    first, _ = job(state, tmp_path / "first.jsonl", optimizer_class=optimizer_class)
+    size = first[0].plan.micro_batch_size
+    assert first[0].ooms == 1 and size is not None and size < 64, "the first job's answer: micro-batches below 64"
+    recorded_answer_only(state, **edit)
+    caplog.set_level(logging.WARNING, logger="oomguard")
+    caplog.clear()
+    again, restarted = job(state, tmp_path / "again.jsonl", optimizer_class=optimizer_class, **options)
+    (jump,) = events(tmp_path / "again.jsonl", "fallback")
+    assert restarted.fake_calls > 0 and jump["fake_steps"] > 0, "planned again, not the recorded answer"
+    floor = 64 if "ladder" in options else 1
+    plans = [result.plan for result in again]
+    assert all(plan.effective_micro_batch_size(SAMPLES) >= floor for plan in plans), plans
+    assert not any(plan.quantized_optimizer or plan.offload_layers for plan in plans), plans
+    assert restarted.guard.steps == 3
+    (warning,) = [r.getMessage() for r in caplog.records if str(state) in r.getMessage()]
+    assert "1 recorded answer" in warning and named in warning and "planned again" in warning, warning

@@ -14,9 +14,10 @@ every bucket on the plan that fitted.
 * **Answers.** Beside the plans, the file keeps the dry-run planner's recorded answers for this model and device
   (``"answers"``, bounded the same way: :mod:`oomguard._guard.answers`), so a restarted job plans nothing it
   planned before. A file without them (an older one) loads as before; its next save adds them.
-* **Filtered.** A plan another job saved under the same key (the same model and device) is taken only if this
-  job's ladder could have come to it here: the loader passes the ladder's reasons to refuse it, and refused plans
-  are named in the same one warning.
+* **Filtered.** A plan another job saved under the same key (the same model and device), or an answer it
+  recorded, is taken only if this job's ladder could have come to it here: the loader passes the ladder's reasons
+  to refuse it, and refused plans and answers are named in the same one warning (a batch whose answer is refused
+  is planned again).
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ class PlanStore:
         self.path = Path(path)
         self.prefix = f"{fingerprint}|{device}|"
         self.writable = writable  # under distributed training only rank 0 writes
-        #: This model and device's recorded answers (:mod:`oomguard._guard.answers`): those :meth:`load` read, and
-        #: those added since, all written by every :meth:`save`.
+        #: This model and device's recorded answers (:mod:`oomguard._guard.answers`): those :meth:`load` read and
+        #: this job could have come to, and those added since, all written by every :meth:`save`.
         self.answers: dict[str, dict[str, Any]] = {}
 
     def load(self, refuse: Callable[[Plan], Sequence[str]] | None = None) -> dict[int, Plan]:
@@ -82,20 +83,15 @@ class PlanStore:
         recorded answers go to :attr:`answers`.
 
         ``refuse`` says why this job cannot take a plan (:meth:`~oomguard._ladder.ladder.Ladder.beyond`: a rung
-        not on its ladder, a level it cannot reach); such plans are ignored, named with their reasons in the same
-        one warning as unreadable entries.
+        not on its ladder, a level it cannot reach); such plans, and answers that recommend one, are ignored,
+        named with their reasons in the same one warning as unreadable entries.
         """
         document = self._read(warn=True)
         if document is None:
             return {}
-        entries: dict[str, Any] = document["plans"]
-        answers = document.get("answers")
-        if isinstance(answers, dict):  # (an older file has none)
-            ours = {key: entry for key, entry in answers.items() if key.startswith(self.prefix) and _is_answer(entry)}
-            self.answers = {key: {k: v for k, v in entry.items() if k != "updated"} for key, entry in ours.items()}
         plans: dict[int, Plan] = {}
         ignored: list[str] = []
-        for key, entry in entries.items():
+        for key, entry in document["plans"].items():
             if not key.startswith(self.prefix):
                 continue
             bucket = key[len(self.prefix) :]
@@ -110,13 +106,17 @@ class PlanStore:
                 ignored.append(f"bucket {bucket!r} ({plan.describe()}: {'; '.join(reasons)})")
             else:
                 plans[number] = plan
-        if ignored:  # one warning for the whole file, whatever is wrong in it
+        refused = self._load_answers(document.get("answers"), refuse)
+        if ignored or refused:  # one warning for the whole file, whatever is wrong in it
+            counts = [f"{len(ignored)} saved plan(s)"] if ignored else []
+            counts += [f"{len(refused)} recorded answer(s)"] if refused else []
             logger.warning(
-                "oomguard: ignoring %d saved plan(s) in %s that this job cannot use: %s; %s",
-                len(ignored),
+                "oomguard: ignoring %s in %s that this job cannot use: %s; %s%s",
+                " and ".join(counts),
                 self.path,
-                "; ".join(ignored),
+                "; ".join(ignored + refused),
                 "the others are used" if plans else "starting from the default plan",
+                "; the batches of the answers ignored are planned again" if refused else "",
             )
         elif not plans:
             logger.warning(
@@ -125,6 +125,25 @@ class PlanStore:
                 self.path,
             )
         return plans
+
+    def _load_answers(self, answers: Any, refuse: Callable[[Plan], Sequence[str]] | None) -> list[str]:
+        """Take this model and device's recorded answers in ``answers`` (the file's; an older file has none) into
+        :attr:`answers`, but those whose plan ``refuse`` refuses: what the warning says of each of these."""
+        refused: list[str] = []
+        for key, entry in (answers if isinstance(answers, dict) else {}).items():
+            if not key.startswith(self.prefix) or not _is_answer(entry):
+                continue
+            data = {k: v for k, v in entry.items() if k != "updated"}
+            try:
+                plan = None if data["plan"] is None else Plan.from_dict(data["plan"])
+            except (KeyError, TypeError, ValueError):
+                plan = None  # (unreadable: the guard's Answers leave it out, and plan that batch again)
+            reasons = () if plan is None else _refusals(refuse, plan)
+            if plan is not None and reasons:
+                refused.append(f"answer {key[len(self.prefix) :]!r} ({plan.describe()}: {'; '.join(reasons)})")
+            else:
+                self.answers[key] = data
+        return refused
 
     def save(self, plans: dict[int, Plan]) -> None:
         """Write ``plans`` (all buckets of this model and device), keeping other entries, atomically.
