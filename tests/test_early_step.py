@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers.batches import tuple_batch
 from helpers.steps import mse_step
+from torch.utils.checkpoint import checkpoint
 
 from oomguard import OOMGuard, Plan
 from oomguard._effects.early import EarlyStep
@@ -38,8 +39,9 @@ def make_guard(
     model: torch.nn.Module, optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW, **options: Any
 ) -> OOMGuard:
     plan = options.pop("plan", MASTER)
+    step = options.pop("step", None) or mse_step(model)
     made = optimizer(model.parameters(), lr=1e-2)
-    guard = OOMGuard(mse_step(model), model=model, optimizer=made, ladder=[], tune_after=None, **options)
+    guard = OOMGuard(step, model=model, optimizer=made, ladder=[], tune_after=None, **options)
     guard.plan = plan
     return guard
 
@@ -180,29 +182,57 @@ def test_an_attempt_that_fails_after_buckets_stepped_puts_them_back_whole(
     assert equal(state(model, guard), state(reference, plain))
 
 
-class Shared(torch.nn.Module):
-    """A weight used inside a reentrant checkpoint and outside it: its gradient is accumulated twice a backward,
-    the first time after the checkpoint's own backward, before the rest of backward."""
+class Recompute(torch.autograd.Function):
+    """A recomputation of one's own, reentrant as torch's checkpoint is but named otherwise: its backward runs its
+    block again and a backward of its own, which accumulates into the block's weights a second time."""
 
-    def __init__(self) -> None:
+    @staticmethod
+    def forward(ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        ctx.run = run
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None]:
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            out = ctx.run(x)
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
+class Shared(torch.nn.Module):
+    """A weight used inside a recomputed block and outside it, the outside use ``first`` (backward accumulates its
+    gradient after the block's own backward) or not (backward accumulates the outer gradient first, and the
+    recomputation reads the weight afterwards)."""
+
+    def __init__(self, first: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.inner = torch.nn.Linear(16, 16)
         self.shared = torch.nn.Linear(16, 16)
         self.out = torch.nn.Linear(16, 1)
+        self.first = first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.shared(x)
-        x = torch.utils.checkpoint.checkpoint(lambda h: self.shared(self.inner(h)), x, use_reentrant=True)
+        x = torch.tanh(self.inner(x))
+        if self.first:
+            x = self.shared(x)
+        x = Recompute.apply(lambda h: torch.tanh(self.shared(self.inner(h))), x)
+        if not self.first:
+            x = self.shared(x)
         return self.out(x)
 
 
-def test_a_gradient_accumulated_after_its_bucket_stepped_moves_the_whole_step_after_backward(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("first", [True, False], ids=["outer-use-first", "outer-use-last"])
+def test_a_gradient_accumulated_after_its_bucket_stepped_runs_the_step_again_after_backward(
+    monkeypatch: pytest.MonkeyPatch, first: bool
 ) -> None:
-    """The early steps of that backward are undone when the second gradient comes, and the step after backward
-    steps everything with the whole sums: the bits of a step that never began early."""
-    monkeypatch.setattr("oomguard._effects.hoststep.BUCKET_ELEMENTS", 16 * 16 + 16)
+    """The second gradient spoils the early steps of that backward (where the outer use comes last, the rest of
+    backward read the stepped weight): the attempt is run again with the whole step after backward, and no step
+    begins during backward after that. The bits of a step that never began early."""
     undone: list[int] = []
     undo = EarlyStep.undo
 
@@ -211,21 +241,10 @@ def test_a_gradient_accumulated_after_its_bucket_stepped_moves_the_whole_step_af
         undo(self)
 
     monkeypatch.setattr(EarlyStep, "undo", counted)
-    found = []
-    for early in (True, False):
-        with monkeypatch.context() as patched:
-            if not early:
-                patched.setattr(StepRunner, "_steps_alone", lambda self, job: False)
-            model = Shared()
-            guard = make_guard(model)
-            with SimulatedGPU("1GiB") as gpu:
-                gpu.adopt(model)
-                for seed in range(3):
-                    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed))
-                    guard((x, torch.randn(4, generator=torch.Generator().manual_seed(seed))))
-                found.append(state(model, guard))
-    assert equal(*found)
-    assert len(undone) == 2 and all(undone), "each step after the first began early, and was undone"
+    (early, stepped), (after, _) = compared(monkeypatch, lambda: Shared(first))
+    assert equal(early, after)
+    assert len(undone) == 1 and all(undone), "the second step began early and was undone; none began after"
+    assert stepped == [0, 0, 0, 0]
 
 
 @pytest.mark.usefixtures("python_sigint")
@@ -255,3 +274,150 @@ def test_a_shutdown_signal_in_the_backward_where_the_step_began_waits_for_the_st
         assert guard.effects.stepped_early == sum(p.numel() for p in model.parameters())
     assert guard.summary().steps == 2, "the step was counted before the interrupt"
     assert equal(state(model, guard), state(reference, plain))
+
+
+class SharedAfter(torch.nn.Module):
+    """A weight used inside a reentrant checkpoint and then outside it: backward accumulates its outer gradient
+    first, and the checkpoint's recompute reads it afterwards. ``applied`` > 1: one block applied that many times,
+    each in a reentrant checkpoint of its own (ALBERT's shared layers)."""
+
+    def __init__(self, applied: int = 1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(16, 16)
+        self.inner = torch.nn.Linear(16, 16)
+        self.shared = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 1)
+        self.applied = applied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)  # (a checkpoint's input that requires grad, as a block's hidden states do)
+        for _ in range(self.applied):
+            x = checkpoint(lambda h: torch.tanh(self.shared(self.inner(h))), x, use_reentrant=True)
+        x = torch.tanh(self.shared(x))
+        return self.out(x)
+
+
+def compared(monkeypatch: pytest.MonkeyPatch, make: Callable[[], torch.nn.Module], step: Any = None) -> list[Any]:
+    """The state of ``make()``'s model trained four calls on the master level with its step begun during backward
+    where the guard chooses to, then with the whole step after backward; and the elements stepped early."""
+    monkeypatch.setattr("oomguard._effects.hoststep.BUCKET_ELEMENTS", 16 * 16 + 16)
+    found: list[Any] = []
+    for early in (True, False):
+        with monkeypatch.context() as patched:
+            if not early:
+                patched.setattr(StepRunner, "_steps_alone", lambda self, job: False)
+            model = make()
+            guard = make_guard(model, step=None if step is None else step(model))
+            stepped = []
+            with SimulatedGPU("1GiB") as gpu:
+                gpu.adopt(model)
+                for seed in range(4):
+                    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed))
+                    guard((x, torch.randn(4, generator=torch.Generator().manual_seed(seed))))
+                    stepped.append(guard.effects.stepped_early)
+                found.append((state(model, guard), stepped))
+    return found
+
+
+@pytest.mark.parametrize("applied", [1, 3], ids=["inside-then-outside", "one-block-three-times"])
+def test_a_reentrant_checkpoint_keeps_the_whole_step_after_backward(
+    monkeypatch: pytest.MonkeyPatch, applied: int
+) -> None:
+    """A reentrant checkpoint recomputes its forward inside backward, reading the weights as they are then: no
+    bucket may step (and upload its weights) before that. The guard sees the checkpoint in the graph and steps
+    after backward: the bits of a step that never began early."""
+    (early, stepped), (after, _) = compared(monkeypatch, lambda: SharedAfter(applied))
+    assert stepped == [0, 0, 0, 0]
+    assert equal(early, after)
+
+
+class Renormed(torch.nn.Module):
+    """An embedding that renormalises the rows it looks up in place, in forward (``max_norm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(32, 16, max_norm=1.0)
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.abs() * 10).long().clamp(max=31)[:, 0]  # (four rows a batch, from the data)
+        return self.out(self.embed(ids))
+
+
+def clipping_step(model: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
+    """A WGAN critic's step: its weights clipped in place, then its forward."""
+    forward = mse_step(model)
+
+    def step(batch: Any) -> torch.Tensor:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.clamp_(-0.05, 0.05)
+        return forward(batch)
+
+    return step
+
+
+def clipping_data_step(model: torch.nn.Module) -> Callable[[Any], torch.Tensor]:
+    """The same through ``p.data``, as the WGAN paper's code clips (no version counter moves)."""
+    forward = mse_step(model)
+
+    def step(batch: Any) -> torch.Tensor:
+        for param in model.parameters():
+            param.data.clamp_(-0.05, 0.05)
+        return forward(batch)
+
+    return step
+
+
+@pytest.mark.parametrize(
+    ("make", "step"),
+    [(Renormed, None), (make_model, clipping_step), (make_model, clipping_data_step)],
+    ids=["embedding-max-norm", "clipped-in-step", "clipped-through-data"],
+)
+def test_writes_to_the_weights_inside_the_step_function_reach_the_step(
+    monkeypatch: pytest.MonkeyPatch, make: Callable[[], torch.nn.Module], step: Any
+) -> None:
+    """What the step function writes on the device weights before its backward (an embedding renormalising rows in
+    forward, weights clipped in the step) is what the step starts from: the bits of the step after backward."""
+    (early, stepped), (after, _) = compared(monkeypatch, make, step)
+    assert equal(early, after)
+    assert stepped[1:] == [sum(p.numel() for p in make().parameters())] * 3, "the steps still began in backward"
+
+
+def test_a_wrapper_of_the_optimizers_step_sees_every_step_with_every_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``optimizer.step`` replaced on the instance (gradients clipped by value, a logger) must see each step whole:
+    no bucket steps during backward behind its back. A scheduler's own step counter is no such wrapper."""
+    model = make_model()
+    guard = make_guard(model)
+    optimizer = guard.optimizer
+    step = optimizer.step
+    seen: list[int] = []
+
+    def clipped(*args: Any, **kwargs: Any) -> Any:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        seen.append(len(params))
+        torch.nn.utils.clip_grad_value_(params, 0.01)
+        return step(*args, **kwargs)
+
+    optimizer.step = clipped  # type: ignore[method-assign]
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        for seed in range(3):
+            guard(tuple_batch(seed=seed))
+            assert guard.effects.stepped_early == 0
+    assert seen == [12, 12, 12], "the wrapper saw every gradient of every step"
+
+    scheduled = make_model()
+    adamw = torch.optim.AdamW(scheduled.parameters(), lr=1e-2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 1.0)
+    counted = OOMGuard(
+        mse_step(scheduled), model=scheduled, optimizer=adamw, scheduler=schedule, ladder=[], tune_after=None
+    )
+    counted.plan = MASTER
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(scheduled)
+        for seed in range(2):
+            counted(tuple_batch(seed=seed))
+        assert counted.effects.stepped_early == sum(p.numel() for p in scheduled.parameters())

@@ -149,6 +149,12 @@ class Effect:
         it will."""
         return False
 
+    def early_backward(self, loss: torch.Tensor) -> bool:
+        """The last forward is done, its backward from ``loss`` next, and :meth:`step_early` said the step may begin
+        in it: True if it still may (the effect has checked what the forward made and did, and taken it in);
+        False disarms it."""
+        return False
+
     @property
     def stepped_early(self) -> int:
         """Parameters (elements) the last step stepped during its last backward (0: none)."""

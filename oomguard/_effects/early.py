@@ -12,16 +12,23 @@ a tied embedding, and any parameter without a gradient) steps as before, after b
 
 Only where the step after backward would not look at all gradients first and nothing could make it differ:
 the guard's own step (not a Trainer's), no gradient clipping, no ``GradScaler``, one process, exactly
-:class:`torch.optim.Adam` or :class:`torch.optim.AdamW` with no step hooks and its state already made (its first step
-runs after backward), and a journal that fits the host budget (``step_journal="never"``: none). Elsewhere nothing
-changes.
+:class:`torch.optim.Adam` or :class:`torch.optim.AdamW` with no step hooks, no wrapper of its own ``step`` (a
+scheduler's step counter aside) and its state already made (its first step runs after backward), and a journal that
+fits the host budget (``step_journal="never"``: none). Elsewhere nothing changes.
+
+Backward must read no weight after its bucket stepped. Two things in the last forward would break that, and the
+master level checks for both once the forward is done (:meth:`~.masters.MasterWeights.early_backward`): a reentrant
+activation checkpoint in the graph (its backward recomputes its block from the weights as they are then: the step
+stays after backward) and writes to the weights on the device made by the step function (an embedding's
+``max_norm``, weights clipped in the step: committed to the masters before any bucket steps).
 
 A step begun during backward is not committed until the attempt's step is: each bucket's masters and moments are
 copied to host buffers (kept from step to step, 12 bytes a parameter) before it steps, and an attempt that fails
 afterwards (an OOM later in backward, an interrupt, the step after backward) puts them back and uploads the
-masters' rounding again. A parameter whose gradient backward accumulates again after its bucket stepped (a weight
-used inside and outside a reentrant checkpoint) spoils the early steps: they are undone at once and the whole step
-runs after backward.
+masters' rounding again. A parameter whose gradient backward accumulates again after its bucket stepped (backward
+running forward code again by other means than a checkpoint the check knows) spoils the early steps: the rest of
+that backward may have read a stepped weight, so the attempt is dropped and run again with the whole step after
+backward, and the guard begins no step during backward again.
 """
 
 from __future__ import annotations
@@ -43,10 +50,17 @@ from oomguard._effects.descent import Descent, summed
 from oomguard._effects.hoststep import FUSED_OPTIMIZERS, HostStep, buckets, fuses
 from oomguard._effects.interrupts import run_whole
 
-__all__ = ["EarlyStep", "Groups"]
+__all__ = ["EarlyStep", "Groups", "SpoiledEarlyStep", "recomputes_forward"]
 
 #: Halved weights by the optimizer's parameter groups: (the group, its weights).
 Groups = list[tuple[dict[str, Any], list[Any]]]
+
+
+class SpoiledEarlyStep(Exception):
+    """A gradient came for a weight whose bucket had already stepped during backward (backward ran forward code
+    again and accumulated into it twice): the gradients of the rest of that backward may have been computed from a
+    stepped weight. Raised from the weight's hook, it ends the backward; the runner drops the attempt and runs it
+    again with the whole step after backward. Never reaches a user."""
 
 
 class _Early(Protocol):
@@ -95,7 +109,7 @@ class EarlyStep:
     def groups(weights: Sequence[_Early], optimizer: torch.optim.Optimizer) -> Groups | None:
         """The weights by the optimizer's groups (in its order), where its step of them may begin early (see the
         module: the optimizer, its hooks and state; the host aside); None where it may not."""
-        if type(optimizer) not in FUSED_OPTIMIZERS or _hooked(optimizer):
+        if type(optimizer) not in FUSED_OPTIMIZERS or _hooked(optimizer) or _wrapped(optimizer):
             return None
         by_param = {id(w.param): w for w in weights}
         groups = []
@@ -250,6 +264,36 @@ def _hooked(optimizer: torch.optim.Optimizer) -> bool:
         optimizer._optimizer_step_post_hooks,
     ]
     return any(len(table) for table in tables)  # type: ignore[arg-type]
+
+
+def _wrapped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` is replaced on the instance by something other than a scheduler's step counter
+    (a wrapper clipping by value, a logger): it would never see the steps begun during backward."""
+    step = vars(optimizer).get("step")
+    if step is None:
+        return False
+    # (functools.wraps copies the counter's mark onto a wrapper of it: what it wraps tells them apart)
+    counts = getattr(step, "_wrapped_by_lr_sched", False)
+    return not (counts and getattr(step, "__wrapped__", None) is type(optimizer).step)
+
+
+def recomputes_forward(loss: torch.Tensor) -> bool:
+    """Whether backward from ``loss`` runs forward code again, reading the weights as they are then: a reentrant
+    activation checkpoint (torch's, DeepSpeed's, transformers' default) recomputes its block inside its backward
+    node. No weight may step and go up before that (the recompute would read the stepped weight)."""
+    kept: list[Any] = []  # (the nodes walked stay alive: an identity freed could be reused by a node not yet seen)
+    seen: set[int] = set()
+    todo = [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        if "Checkpoint" in type(node).__name__:  # (a custom Function's node is named for it: CheckpointFunction...)
+            return True
+        seen.add(id(node))
+        kept.append(node)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 def _mutable(optimizer: torch.optim.Optimizer, weight: _Early) -> list[torch.Tensor]:

@@ -174,6 +174,14 @@ class Effects:
             armed = effect.step_early(self.host_step, host_budget) or armed
         return armed
 
+    def early_backward(self, loss: torch.Tensor) -> bool:
+        """The last forward is done: whether the step :meth:`step_early` armed may still begin in the backward from
+        ``loss`` (see :meth:`.Effect.early_backward`)."""
+        armed = False
+        for effect in self._effects:  # (every one of them told)
+            armed = effect.early_backward(loss) or armed
+        return armed
+
     @property
     def stepped_early(self) -> int:
         """Parameters (elements) the last step stepped during its last backward."""

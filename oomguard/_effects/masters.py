@@ -40,7 +40,7 @@ from oomguard._effects.copies import layout as _layout
 from oomguard._effects.copies import merged as _merged
 from oomguard._effects.copies import ours as _ours
 from oomguard._effects.descent import Descent
-from oomguard._effects.early import EarlyStep
+from oomguard._effects.early import EarlyStep, SpoiledEarlyStep, recomputes_forward
 from oomguard._effects.fingerprint import Fingerprints
 from oomguard._effects.hooks import GuardHook, aside, released
 from oomguard._effects.hoststep import HostStep
@@ -86,6 +86,8 @@ class MasterWeights:
         self.ascent = Ascent()  # the stepped weights on their way up (the planner reads what overlapped the step)
         self.early = EarlyStep()  # buckets stepped during the last backward (the planner reads how many elements)
         self._autocast = threading.local()  # per thread: the autocast contexts the forward hooks entered
+        #: The version counter of each weight as an armed early step's forward began (None: not begun yet).
+        self._versions: list[int] | None = None
 
     def __contains__(self, param: object) -> bool:
         return param in self._weights
@@ -163,21 +165,50 @@ class MasterWeights:
         weight, backend = self._weights.get(param), self._backend  # type: ignore[call-overload]
         if weight is None or backend is None or self._swapped or param.grad is None:
             return  # (not halved, not engaged, or lent as its master: the step's gradient stays)
-        if self.early.taken(weight):  # (a second gradient for a weight whose bucket stepped: none stepped early)
-            self.early.undo()
+        if self.early.taken(weight):  # (a second gradient for a weight whose bucket stepped: see SpoiledEarlyStep)
+            raise SpoiledEarlyStep(f"a second gradient for a parameter of shape {tuple(param.shape)}")
         self._descent.send(weight, param.grad, backend)
         param.grad = None  # (the device memory lives until the copy has read it)
         self.early.ready(weight, self._descent)
 
     def step_early(self, host_step: HostStep, budget: int | None) -> bool:
         """The last backward of an attempt whose step nothing else looks at first is next: each bucket of weights
-        may step as backward completes it (:mod:`.early`); writes on the device committed first."""
+        may step as backward completes it (:mod:`.early`). What is written on the device is committed when the
+        model's forward begins (:meth:`_commit_writes`) and checked once it is done (:meth:`early_backward`)."""
         weights, optimizer, backend = list(self._weights.values()), self.target.torch_optimizer, self._backend
         groups = None if backend is None or self._swapped else self.early.groups(weights, optimizer)
         if not groups or backend is None:
             return False
-        self.sync()
+        self._versions = None
         return self.early.arm(groups, optimizer, host_step, backend, self.ascent, budget)
+
+    def _commit_writes(self) -> None:
+        """An armed early step's forward begins (the first of the model's forward pre-hooks): what was written on
+        the device since the weights last matched their masters (between calls, or by the step function before
+        its forward: weights clipped through ``p.data``) is committed, while the forward holds nothing on the
+        device yet; the version counters are noted, to tell the writes the forward itself makes."""
+        self.sync()
+        self._versions = [w.param._version for w in self._weights.values()]
+
+    def early_backward(self, loss: torch.Tensor) -> bool:
+        """The last forward is done and its step armed to begin in the backward from ``loss`` (:meth:`step_early`):
+        the writes the forward made on the weights (an embedding's ``max_norm``), seen by their version counters,
+        are committed to the masters first; disarmed where backward runs forward code again (a reentrant
+        checkpoint) or a device copy was replaced (committed after backward, as without the early step)."""
+        if not self.early.armed:
+            return False
+        if self._versions is None:  # (no forward hook of ours ran: the step called none of the model's modules)
+            self._commit_writes()
+        weights = list(self._weights.values())
+        replaced = any(not _ours(w, w.param.data) for w in weights)
+        if replaced or recomputes_forward(loss):
+            self.early.disarm()
+            return False
+        versions = self._versions or []
+        written = [w for w, seen in zip(weights, versions, strict=True) if w.param._version != seen]
+        if written:
+            self.sync(only=written)
+        return True
 
     def after_micro_batch(self) -> None:
         """Each halved weight's gradient of this micro-batch added to its fp32 sum on the host (sent down first
@@ -253,15 +284,20 @@ class MasterWeights:
         self._swapped = False
 
     # -- writes on the device ---------------------------------------------------------------------------
-    def _written(self) -> dict[_Weight, torch.Tensor]:
+    def _written(self, only: list[_Weight] | None = None) -> dict[_Weight, torch.Tensor]:
         """Each weight whose device copy was written (or replaced) since it matched its master: the copy's values,
-        on the host."""
+        on the host. ``only``: the weights known to be written (by their version counters), without checksums."""
         backend = self._backend
         if self._swapped or backend is None or not self._weights:
             return {}
-        weights = list(self._weights.values())
+        weights = list(self._weights.values()) if only is None else only
         datas = [w.param.data for w in weights]
-        flags = self._prints.changed([d if _ours(w, d) else None for w, d in zip(weights, datas, strict=True)], backend)
+        if only is None:
+            flags = self._prints.changed(
+                [d if _ours(w, d) else None for w, d in zip(weights, datas, strict=True)], backend
+            )
+        else:
+            flags = [True] * len(weights)
         found = {}
         for weight, data, changed in zip(weights, datas, flags, strict=True):
             if changed:
@@ -276,10 +312,12 @@ class MasterWeights:
         written = self._written()
         return {w.param: _merged(w, written[w]) if w in written else w.master for w in self._weights.values()}
 
-    def sync(self) -> None:
+    def sync(self, only: list[_Weight] | None = None) -> None:
         """Commit what was written on the device: the masters take the written elements, and a replaced device
-        copy (``p.data = ...``) becomes a bf16 copy on the device again."""
-        written = self._written()
+        copy (``p.data = ...``) becomes a bf16 copy on the device again. ``only``: of these weights, found written
+        by their version counters (nothing more is checked, and their checksums are taken again by the next record:
+        the comparison before it finds them changed and, the masters already holding the writes, takes nothing)."""
+        written = self._written(only)
         for weight, values in written.items():
             merged = _merged(weight, values)
             if merged.shape == weight.master.shape:
@@ -290,7 +328,7 @@ class MasterWeights:
             data = weight.param.data
             if not _ours(weight, data):
                 self._adopt(weight, data)
-        if written and self._backend is not None:  # (on the device, the host being far slower; may run out)
+        if written and only is None and self._backend is not None:  # (on the device, the host far slower; may OOM)
             self._prints.record(self._devices(), self._backend)
 
     def _adopt(self, weight: _Weight, data: torch.Tensor) -> None:
@@ -360,7 +398,10 @@ class MasterWeights:
 
     def _enter_autocast(self, module: torch.nn.Module, args: Any) -> None:
         """A forward outside the guard's step (an evaluation) runs under bf16 autocast, as the step's own does:
-        the weights it meets are bf16. Inside any autocast (the step's), nothing changes."""
+        the weights it meets are bf16. Inside any autocast (the step's), nothing changes. (The first forward of an
+        armed early step commits what was written first: :meth:`_commit_writes`.)"""
+        if self._versions is None and self.early.armed:
+            self._commit_writes()
         entered = self._autocast.__dict__.setdefault("entered", [])
         context = None
         if not torch.is_autocast_enabled(self.target.device_type):

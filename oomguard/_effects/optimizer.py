@@ -118,6 +118,9 @@ class OptimizerOffloadEffect(Effect):
     def step_early(self, host_step: HostStep, host_budget: int | None) -> bool:
         return self._level.step_early(host_step, host_budget)
 
+    def early_backward(self, loss: torch.Tensor) -> bool:
+        return self._level.early_backward(loss)
+
     @property
     def stepped_early(self) -> int:
         return self._level.early.elements if self._level.engaged else 0

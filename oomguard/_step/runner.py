@@ -22,6 +22,7 @@ from torch._guards import detect_fake_mode
 from oomguard._backends.memory import MemoryBackend
 from oomguard._distributed.agreement import Agreement, quiet_ddp
 from oomguard._distributed.peers import Outcome, failure_outcome, peer_failure
+from oomguard._effects.early import SpoiledEarlyStep
 from oomguard._effects.effects import Effects
 from oomguard._effects.transaction import OptimizerTransaction, Scheduler
 from oomguard._errors import LossError, NonFiniteLoss, OOMGuardError
@@ -101,6 +102,8 @@ class StepRunner:
         #: Called where the attempt's optimizer step begins before its last backward ends (the master level's host
         #: step, :mod:`oomguard._effects.early`): the loop holds shutdown signals from there, as from the step.
         self.step_begins: Callable[[], None] = nothing
+        #: Whether a backward accumulated a gradient after its bucket had stepped early (:mod:`oomguard._effects.early`)
+        self.early_spoiled = False
 
     def zero_grad(self) -> None:
         """Drop every gradient (set to None, so their memory is freed)."""
@@ -172,7 +175,14 @@ class StepRunner:
         scaler = self.effects.scaler(plan)  # fp16 only; a fresh one per attempt, from the last committed state
         job = _Job(batch, size, plan, backend, scaler, reduction or self.reduction, commits=step)
         try:
-            micro_batches, loss = self._accumulate(job)
+            try:
+                micro_batches, loss = self._accumulate(job)
+            except SpoiledEarlyStep as spoiled:  # (see there: once, then never again for this guard)
+                logger.info("oomguard: no step begins during backward from now on (%s); the step runs again", spoiled)
+                del spoiled
+                self._drop()
+                self.early_spoiled = True
+                micro_batches, loss = self._accumulate(job)
             return Gradients(job, micro_batches, loss)
         except Exception as exc:
             return self._failed(exc, plan)
@@ -305,7 +315,7 @@ class StepRunner:
                 self._refuse_a_backward_of_its_own()
                 self._outside_grads = self._outside.keep(loss, job.batch)
             self.progress.phase = Phase.BACKWARD
-            if early:
+            if early and self.effects.early_backward(loss):  # (what the forward wrote and made, checked first)
                 self.step_begins()  # (the loop holds shutdown signals from here: see the attribute)
             weighted = loss if weight == 1.0 else loss * weight
             self._backward(scaler.scale(weighted) if scaler is not None else weighted)
@@ -318,7 +328,7 @@ class StepRunner:
     def _steps_alone(self, job: _Job) -> bool:
         """Whether this attempt's optimizer step follows its backward with nothing that looks at every gradient
         first (clipping, a scaler, other ranks, a caller's own step): it may begin during the last backward."""
-        alone = self.max_grad_norm is None and job.scaler is None and self.agreement is None
+        alone = self.max_grad_norm is None and job.scaler is None and self.agreement is None and not self.early_spoiled
         return alone and job.commits and self.accelerator is None and self.transaction.journal != "never"
 
     def _refuse_a_backward_of_its_own(self) -> None:
