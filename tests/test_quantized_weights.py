@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers.batches import lm_batch
@@ -385,6 +386,47 @@ def test_a_quantized_weight_is_a_valid_tensor_wherever_code_reaches_it() -> None
         assert isinstance(weight, QuantizedWeight)
         guard.close()
     assert frozen_weights_are_the_originals(model)
+
+
+def test_a_quantized_weight_reads_out_to_numpy_and_lists_as_its_dequantized_values() -> None:
+    """A histogram of a LoRA base's weights (TensorBoard's ``x.detach().cpu().numpy()``, wandb's ``np.histogram``
+    and ``.tolist()``) reads what computations read: the dequantized values, an array that cannot be written (a
+    write would land nowhere). ``.item()`` and ``.cpu()`` read them too; ``torch.save`` of the weight alone holds
+    its exact original. (On the code before: torch's "not supported for tensor subclasses", naming no fix.)"""
+    model = lora_llama()
+    layer, original = frozen_linears(model)[0], frozen_linears(lora_llama())[0].weight.detach()
+    with engaged(model) as guard:
+        weight = layer.weight
+        assert isinstance(weight, QuantizedWeight) and weight.bits == 8 and not weight.requires_grad
+        dequantized = weight.clone()  # (an op: what computations see)
+        assert type(dequantized) is torch.Tensor and not torch.equal(dequantized, original), "8 bits, not exact"
+        arrays = {
+            "numpy": weight.numpy(), "detach": weight.detach().numpy(), "tensorboard": weight.detach().cpu().numpy(),
+            "force": weight.numpy(force=True), "asarray": np.asarray(weight), "data": weight.data.numpy(),
+        }  # fmt: skip
+        for how, array in arrays.items():
+            assert array.dtype == np.float32 and torch.equal(torch.from_numpy(array.copy()), dequantized), how
+            assert not array.flags.writeable, how
+        with pytest.raises(ValueError, match="read-only"):
+            weight.numpy()[0, 0] = 1.0
+        counts, _ = np.histogram(weight, bins=16)
+        assert counts.sum() == weight.numel()
+        assert weight.tolist() == dequantized.tolist() and weight[3].tolist() == dequantized[3].tolist()
+        assert weight.t().numpy().tolist() == dequantized.t().tolist(), "a view reads its own values"
+        assert torch.equal(torch.from_numpy(weight.half().numpy().copy()), dequantized.half()), "a cast too"
+        assert weight[0, 0].item() == dequantized[0, 0].item()
+        assert torch.equal(weight.cpu(), dequantized) and torch.equal(
+            weight.to("cpu", torch.float64), dequantized.double()
+        )
+        saved = io.BytesIO()
+        torch.save(weight, saved)
+        loaded = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
+        assert type(loaded) is torch.nn.Parameter and torch.equal(loaded, original), "the exact original"
+        assert isinstance(layer.weight, QuantizedWeight) and weight.bits == 8, "reading changed nothing"
+        guard.close()
+    assert frozen_weights_are_the_originals(model)
+    four = QuantizedWeight.weight(Codes.encode(original, 4), original.clone(), {})  # (NF4 codes read out the same way)
+    assert torch.equal(torch.from_numpy(four.numpy().copy()), four.clone()) and four.tolist() == four.clone().tolist()
 
 
 def test_peft_merges_adapters_into_the_exact_originals_while_quantized() -> None:

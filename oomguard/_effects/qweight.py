@@ -5,7 +5,10 @@ weight's shape, dtype and device and no storage of its own; it holds the weight'
 :class:`~oomguard._effects.codec.Codes` and, in host memory, its exact original. Every aten op that meets it
 (``__torch_dispatch__``) dequantizes it into a plain tensor and runs on that, so any code that reaches the weight
 computes with the dequantized values: ``F.linear``, ``nn.MultiheadAttention`` (which reads ``out_proj.weight``
-itself), PEFT DoRA's weight norm, ``weight.norm()``. Views (``t``, ``detach``, ``.data``, slicing) and casts to
+itself), PEFT DoRA's weight norm, ``weight.norm()``, ``.item()``. What torch hands to Python and numpy from a
+tensor's memory, which a subclass has none of, reads the dequantized values too: ``.numpy()``, ``np.asarray``,
+``.tolist()`` (TensorBoard's and wandb's histograms), the array read-only (its values were decoded for it alone:
+a write to it would reach no weight). Views (``t``, ``detach``, ``.data``, slicing) and casts to
 another dtype (autocast's) give back quantized tensors that share the codes: a linear layer's backward saves
 ``weight.t()``, so autograd keeps the 8- or 4-bit codes between forward and backward, not a full-precision copy.
 
@@ -41,6 +44,7 @@ _aten = torch.ops.aten
 _ALIASES = {_aten.detach.default, _aten.alias.default}  # the same tensor again (``.data`` is a detach)
 _SET_DATA = cast(Any, torch.Tensor.data).__set__  # what ``tensor.data = ...`` calls
 _NO_MEMORY = {torch.Tensor.__dlpack__, torch.Tensor.share_memory_}  # what needs the tensor's own storage
+_READ_OUTS = {torch.Tensor.numpy, torch.Tensor.__array__, torch.Tensor.tolist}  # (torch refuses them for subclasses)
 _INTERNAL = frozenset({"_qstore", "_qsteps", "_is_param"})  # this class's own attributes, not the user's
 
 
@@ -200,6 +204,8 @@ class QuantizedWeight(torch.Tensor):
             for tensor in _quantized((args, kwargs)):  # an unfrozen weight trains whole, on its exact original
                 if tensor.requires_grad:
                     _give_back(tensor)
+        if func in _READ_OUTS and isinstance(args[0], QuantizedWeight):
+            return _read_out(func, args[0], args[1:], kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -323,6 +329,15 @@ def _set_data(target: QuantizedWeight, value: torch.Tensor) -> None:
             "...: write its values with copy_, or call guard.close() first"
         )
     _SET_DATA(target, value)
+
+
+def _read_out(func: Callable[..., Any], tensor: QuantizedWeight, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``numpy()``, ``__array__`` or ``tolist()`` of ``tensor``'s values (what computations read); an array cannot
+    be written: it holds values decoded for it alone, and a write to it would reach no weight."""
+    out = func(tensor.values(), *rest, **kwargs)
+    if func is not torch.Tensor.tolist:
+        out.flags.writeable = False  # (a write says "assignment destination is read-only"; copy_ writes the weight)
+    return out
 
 
 def _quantized(tree: Any) -> list[QuantizedWeight]:
