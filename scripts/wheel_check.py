@@ -139,16 +139,18 @@ def isolation() -> tuple[str, ...]:
     return ("--no-build-isolation",) if built_in else ()
 
 
-def run(*command: str | Path, **kwargs: object) -> subprocess.CompletedProcess[str]:
+def run(
+    *command: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """``command`` run to its end; the check ends with its output where it fails."""
     started = time.perf_counter()
-    done = subprocess.run([str(part) for part in command], capture_output=True, text=True, **kwargs)  # type: ignore[call-overload]
+    done = subprocess.run([str(part) for part in command], capture_output=True, text=True, cwd=cwd, env=env)
     said = " ".join("<the check's script>" if "\n" in str(part) else str(part) for part in command)
     if os.environ.get("WHEEL_CHECK_TIMES"):
         print(f"wheel-check: {time.perf_counter() - started:5.1f} s  {said}")
     if done.returncode != 0:
         sys.exit(f"wheel-check: {said} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
-    return done  # type: ignore[no-any-return]
+    return done
 
 
 def main() -> None:
