@@ -254,3 +254,38 @@ def test_a_recorded_answer_this_job_could_not_reach_is_ignored_with_one_warning_
     assert restarted.guard.steps == 3
     (warning,) = [r.getMessage() for r in caplog.records if str(state) in r.getMessage()]
     assert "1 recorded answer" in warning and named in warning and "planned again" in warning, warning
+
+
+# -- issue 45, finding 14: two jobs of one model share a state file ---------------------------------------
+
+
+def test_two_guards_of_one_model_saving_alternately_keep_each_others_plans(tmp_path: Path) -> None:
+    """Two jobs of one model on one device (one key), each on batches of its own shapes, calling in turn: each
+    save replaced the model's entries with the saver's view, so the state file lost the plans the other job saved
+    since this one loaded it (a restart then ran out of memory, or planned, again). Now a restart takes every
+    plan, and the answer the first job's jump recorded."""
+    state, shapes = tmp_path / "plans.json", {"one": (SAMPLES, SAMPLES // 2), "two": (2 * SAMPLES, SAMPLES // 4)}
+    guards = {}
+    for name in shapes:
+        model = make_mlp(width=WIDTH)
+        guards[name] = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters()),
+                                tune_after=None, state_file=state, log_file=tmp_path / f"{name}.jsonl")  # fmt: skip
+    plans: dict[int, Plan] = {}
+    for turn in range(2):  # one, two, one, two: each saves after the other did
+        for name, guard in guards.items():
+            batch = tuple_batch(n=shapes[name][turn])
+            with SimulatedGPU(BUDGET) as gpu:
+                gpu.adopt(guard.model)
+                plans[guard.options.bucket(batch)] = guard(batch).plan
+    (jump,) = events(tmp_path / "one.jsonl", "fallback")  # (the others start on the peak model's sizes: no OOM)
+    document = json.loads(state.read_text())
+    assert len(plans) == 4 and len(document["plans"]) == 4 and len(document["answers"]) == 1 and jump["fake_steps"]
+    model = make_mlp(width=WIDTH)
+    step = counting(mse_step(model))
+    restarted = OOMGuard(step, model=model, optimizer=torch.optim.SGD(model.parameters()), state_file=state)
+    with SimulatedGPU(BUDGET) as gpu:
+        gpu.adopt(model)
+        batches = [tuple_batch(n=n) for both in shapes.values() for n in both]
+        results = {restarted.options.bucket(batch): restarted(batch) for batch in batches}
+    assert {bucket: r.plan for bucket, r in results.items()} == plans, "every plan remembered"
+    assert all(r.ooms == 0 for r in results.values()) and step.fake_calls == 0

@@ -213,10 +213,9 @@ print("done", flush=True)
 WRITERS, SAVES = 6, 60
 
 
-@pytest.mark.subprocess
-def test_jobs_sharing_a_state_file_keep_each_others_plans(tmp_path: Path) -> None:
-    path = tmp_path / "plans.json"
-    command = [sys.executable, "-c", _WRITER, str(path)]
+def run_writers(script: str, path: Path) -> None:
+    """``WRITERS`` processes of ``script`` (given ``path``, its name, ``SAVES``), saving all at once."""
+    command = [sys.executable, "-c", script, str(path)]
     writers = [
         subprocess.Popen([*command, f"writer{k}", str(SAVES)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for k in range(WRITERS)
@@ -234,11 +233,109 @@ def test_jobs_sharing_a_state_file_keep_each_others_plans(tmp_path: Path) -> Non
         for writer in writers:
             writer.kill()
             writer.wait()
+
+
+@pytest.mark.subprocess
+def test_jobs_sharing_a_state_file_keep_each_others_plans(tmp_path: Path) -> None:
+    path = tmp_path / "plans.json"
+    run_writers(_WRITER, path)
     entries = json.loads(path.read_text(encoding="utf-8"))["plans"]
     expected = {f"writer{k}|dev|{bucket}" for k in range(WRITERS) for bucket in range(4)}
     assert set(entries) == expected, f"lost: {sorted(expected - set(entries))}"
     assert {entry["plan"]["micro_batch_size"] for entry in entries.values()} == {SAVES}, "each writer's last save"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plans.json"], "nothing left beside the state file"
+
+
+def an_answer(need: int) -> dict[str, Any]:
+    return {"plan": Plan(micro_batch_size=need).to_dict(), "need": need, "ceiling": None, "host_need": 0,
+            "host_ceiling": None, "fake_steps": 1}  # fmt: skip
+
+
+def saved(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The plans and the answers in the state file at ``path``, by key, without their stamps."""
+    document = json.loads(path.read_text(encoding="utf-8"))
+    return tuple(  # type: ignore[return-value]
+        {key: {k: v for k, v in entry.items() if k != "updated"} for key, entry in document[part].items()}
+        for part in ("plans", "answers")
+    )
+
+
+def test_two_jobs_of_one_model_saving_alternately_keep_each_others_plans_and_answers(tmp_path: Path) -> None:
+    """Issue 45, finding 14: a save replaced the model's entries with the saver's own view, so each of two jobs
+    of one model dropped the plans and answers the other saved since it loaded. A save now writes what this job
+    changed and keeps the rest; a plan another job changed since this one read it survives this one's save, and
+    a plan this one changes is written."""
+    path = tmp_path / "plans.json"
+    one, two = PlanStore(path, "model", "dev"), PlanStore(path, "model", "dev")
+    assert one.load() == {} and two.load() == {}  # (both started before either saved)
+    one.answers["model|dev|a"] = an_answer(1)
+    one.save({1: Plan(micro_batch_size=1)})
+    two.answers["model|dev|b"] = an_answer(2)
+    two.save({2: Plan(micro_batch_size=2)})
+    one.save({1: Plan(micro_batch_size=1), 3: Plan(micro_batch_size=3)})
+    plans, answers = saved(path)
+    assert set(plans) == {"model|dev|1", "model|dev|2", "model|dev|3"}, "the other job's bucket 2 is kept"
+    assert set(answers) == {"model|dev|a", "model|dev|b"}, "and its answer"
+    third = PlanStore(path, "model", "dev")  # a job that read bucket 2 as the second job saved it
+    assert third.load()[2] == Plan(micro_batch_size=2)
+    two.save({2: Plan(micro_batch_size=4)})  # the second job changes bucket 2 ...
+    third.save({2: Plan(micro_batch_size=2), 5: Plan(micro_batch_size=5)})  # ... the third never touched it
+    plans, _ = saved(path)
+    assert plans["model|dev|2"]["plan"]["micro_batch_size"] == 4, "the change stays: the third job's view is older"
+    assert set(plans) == {f"model|dev|{bucket}" for bucket in (1, 2, 3, 5)}
+    one.answers["model|dev|b"] = an_answer(6)  # the first job plans bucket 2 anew, and records its answer
+    one.save({1: Plan(micro_batch_size=1), 2: Plan(micro_batch_size=6), 3: Plan(micro_batch_size=3)})
+    plans, answers = saved(path)
+    assert plans["model|dev|2"]["plan"]["micro_batch_size"] == 6 and answers["model|dev|b"]["need"] == 6, "written"
+    assert set(plans) == {f"model|dev|{bucket}" for bucket in (1, 2, 3, 5)} and len(answers) == 2
+
+
+def test_a_plan_this_job_holds_that_the_file_lost_is_put_back_with_its_stamp(tmp_path: Path) -> None:
+    """A file rewritten without this job's entries (deleted, or corrupt and rewritten by another job) gets them
+    back at this job's next save, with the stamps they had: the bounds still rank them by their age."""
+    path = tmp_path / "plans.json"
+    store = PlanStore(path, "model", "dev")
+    store.save({1: Plan(micro_batch_size=1)})
+    stamp = json.loads(path.read_text(encoding="utf-8"))["plans"]["model|dev|1"]["updated"]
+    path.unlink()
+    PlanStore(path, "model", "dev").save({2: Plan(micro_batch_size=2)})  # another job's save, over no file
+    store.save({1: Plan(micro_batch_size=1)})
+    entries = json.loads(path.read_text(encoding="utf-8"))["plans"]
+    assert set(entries) == {"model|dev|1", "model|dev|2"} and entries["model|dev|1"]["updated"] == stamp
+
+
+_SAME_MODEL_WRITER = r"""
+import sys
+from oomguard._guard.persist import PlanStore
+from oomguard._ladder.plan import Plan
+
+path, name, saves = sys.argv[1], sys.argv[2], int(sys.argv[3])
+writer = int(name.removeprefix("writer"))
+store = PlanStore(path, "model", "dev")  # every writer: the same model and device, its own buckets
+store.load()
+print("ready", flush=True)
+sys.stdin.readline()  # "go": every writer starts at once
+for i in range(1, saves + 1):
+    for b in range(4):
+        store.answers[f"model|dev|{name}-{b}"] = {"plan": None, "need": 0, "ceiling": i, "host_need": 0,
+                                                 "host_ceiling": None, "fake_steps": 1}
+    store.save({10 * writer + b: Plan(micro_batch_size=i) for b in range(4)})
+print("done", flush=True)
+"""
+
+
+@pytest.mark.subprocess
+def test_processes_of_one_model_saving_at_once_keep_each_others_plans_and_answers(tmp_path: Path) -> None:
+    """Issue 45, finding 14, as it happens: several processes of one model on one device, each with buckets of its
+    own, all saving at once. Before, only the last saver's four buckets and answers were left."""
+    path = tmp_path / "plans.json"
+    run_writers(_SAME_MODEL_WRITER, path)
+    plans, answers = saved(path)
+    expected = {f"model|dev|{10 * k + bucket}" for k in range(WRITERS) for bucket in range(4)}
+    assert set(plans) == expected, f"lost: {sorted(expected - set(plans))}"
+    assert set(answers) == {f"model|dev|writer{k}-{bucket}" for k in range(WRITERS) for bucket in range(4)}
+    assert {entry["plan"]["micro_batch_size"] for entry in plans.values()} == {SAVES}, "each writer's last save"
+    assert {entry["ceiling"] for entry in answers.values()} == {SAVES}
 
 
 # -- 3. files no parser survives ---------------------------------------------------------------------------

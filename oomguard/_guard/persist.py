@@ -5,7 +5,9 @@ dtypes), the device (its name and total memory) and the batch bucket. A restart 
 every bucket on the plan that fitted.
 
 * **Atomic** and **shared**: a save reads, merges and writes under an exclusive lock, and replaces the file
-  atomically (:mod:`oomguard._guard.files`).
+  atomically (:mod:`oomguard._guard.files`). The merge is per entry: a save writes the plans (and answers) this
+  job changed since it last read or wrote them, and keeps every other entry as the file has it, those other jobs
+  of the same model and device saved included; an entry of this job's that the file lost is put back.
 * **Bounded.** A save keeps the :data:`PER_MODEL` most recently updated entries of each model and device, and
   :data:`TOTAL` entries overall (the least recently updated go first), so the file, and so the cost of every
   save, stays small however many models and buckets have used it.
@@ -17,7 +19,7 @@ every bucket on the plan that fitted.
 * **Filtered.** A plan another job saved under the same key (the same model and device), or an answer it
   recorded, is taken only if this job's ladder could have come to it here: the loader passes the ladder's reasons
   to refuse it, and refused plans and answers are named in the same one warning (a batch whose answer is refused
-  is planned again).
+  is planned again). They stay in the file for the jobs that can use them.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -75,8 +77,12 @@ class PlanStore:
         self.prefix = f"{fingerprint}|{device}|"
         self.writable = writable  # under distributed training only rank 0 writes
         #: This model and device's recorded answers (:mod:`oomguard._guard.answers`): those :meth:`load` read and
-        #: this job could have come to, and those added since, all written by every :meth:`save`.
+        #: this job could have come to, and those added since; a :meth:`save` writes those that changed.
         self.answers: dict[str, dict[str, Any]] = {}
+        #: What this store last read from the file or wrote to it, per key, with the entry's stamp: a save writes
+        #: only the entries that differ from it (this job's changes), and keeps the file's for the others.
+        self._seen: dict[str, _Seen] = {}
+        self._seen_answers: dict[str, _Seen] = {}
 
     def load(self, refuse: Callable[[Plan], Sequence[str]] | None = None) -> dict[int, Plan]:
         """The saved plans for this model and device, by bucket; empty (with one warning) if there are none. Its
@@ -106,6 +112,7 @@ class PlanStore:
                 ignored.append(f"bucket {bucket!r} ({plan.describe()}: {'; '.join(reasons)})")
             else:
                 plans[number] = plan
+                self._seen[key] = _Seen({"plan": plan.to_dict()}, entry.get("updated"))
         refused = self._load_answers(document.get("answers"), refuse)
         if ignored or refused:  # one warning for the whole file, whatever is wrong in it
             counts = [f"{len(ignored)} saved plan(s)"] if ignored else []
@@ -143,10 +150,12 @@ class PlanStore:
                 refused.append(f"answer {key[len(self.prefix) :]!r} ({plan.describe()}: {'; '.join(reasons)})")
             else:
                 self.answers[key] = data
+                self._seen_answers[key] = _Seen(data, entry.get("updated"))
         return refused
 
     def save(self, plans: dict[int, Plan]) -> None:
-        """Write ``plans`` (all buckets of this model and device), keeping other entries, atomically.
+        """Write ``plans`` (all buckets of this model and device) and :attr:`answers`, those that changed since
+        this store last read or wrote them, keeping other entries, atomically.
 
         Raises ``OSError`` when the file cannot be written (the caller warns and retries later).
         """
@@ -155,41 +164,31 @@ class PlanStore:
         for _ in range(_RACES):
             with locked(self.path) as holding:  # False: there is no file to lock yet
                 document = (self._read(warn=False) or {}) if holding else {}
-                text = self._document(document, plans)
+                text, written, answered = self._document(document, plans)
                 if holding:
                     atomic_write(self.path, text)
                 elif not create(self.path, text):
                     continue  # another job created the file meanwhile: merge with it, under its lock
+            self._seen.update(written)  # (only now: a save that failed wrote nothing)
+            self._seen_answers.update(answered)
             remove_orphans(self.path)
             return
         raise OSError(f"{self.path} could neither be opened nor created (a dangling symbolic link?)")
 
-    def _document(self, document: dict[str, Any], plans: dict[int, Plan]) -> str:
-        """The file's new text: the ``document`` read from it, with this model's plans and answers replaced, within
-        the bounds."""
+    def _document(
+        self, document: dict[str, Any], plans: dict[int, Plan]
+    ) -> tuple[str, dict[str, _Seen], dict[str, _Seen]]:
+        """The file's new text: the ``document`` read from it, merged with this model's ``plans`` and answers
+        (:func:`_merged`); and the plans and answers it writes, for :attr:`_seen` once it is written."""
         now = datetime.now().astimezone().isoformat(timespec="milliseconds")
         entries: dict[str, Any] = document.get("plans") or {}
         answers = document.get("answers")
         ours = {f"{self.prefix}{bucket}": {"plan": plan.to_dict()} for bucket, plan in plans.items()}
-        merged = {"plans": self._merged(entries, ours, now, _is_entry)}
-        merged["answers"] = self._merged(answers if isinstance(answers, dict) else {}, self.answers, now, _is_answer)
-        return json.dumps({"format": _FORMAT, "version": _VERSION, **merged}, indent=1, sort_keys=True) + "\n"
-
-    def _merged(
-        self, entries: dict[str, Any], ours: dict[str, dict[str, Any]], now: str, valid: Callable[[Any], bool]
-    ) -> dict[str, Any]:
-        """``entries`` with this model's replaced by ``ours`` (stamped ``now`` where they changed), within the
-        bounds; ``valid`` says which of the others are worth keeping."""
-        stamped: dict[str, Any] = {}
-        for key, data in ours.items():
-            previous = entries.get(key)
-            unchanged = isinstance(previous, dict) and {k: v for k, v in previous.items() if k != "updated"} == data
-            updated = previous.get("updated") if unchanged and isinstance(previous, dict) else None
-            stamped[key] = {**data, "updated": updated if isinstance(updated, str) else now}
-        stamped = _newest(stamped, PER_MODEL, TOTAL, valid)
-        others = {key: entry for key, entry in entries.items() if not key.startswith(self.prefix)}
-        kept = _newest(others, PER_MODEL, TOTAL - len(stamped), valid)  # this job's always stay: just saved
-        return {**kept, **stamped}
+        merged, written = _merged(entries, ours, self._seen, now, _is_entry)
+        answers = answers if isinstance(answers, dict) else {}  # (an older file has none)
+        recorded, answered = _merged(answers, self.answers, self._seen_answers, now, _is_answer)
+        text = {"format": _FORMAT, "version": _VERSION, "plans": merged, "answers": recorded}
+        return json.dumps(text, indent=1, sort_keys=True) + "\n", written, answered
 
     def _read(self, warn: bool) -> dict[str, Any] | None:
         try:
@@ -220,6 +219,49 @@ class PlanStore:
                 )
             return None
         return document
+
+
+class _Seen(NamedTuple):
+    """An entry as this store last read or wrote it: its data (no stamp), and its ``updated`` stamp."""
+
+    data: dict[str, Any]
+    updated: Any
+
+
+def _merged(
+    entries: dict[str, Any],
+    ours: dict[str, dict[str, Any]],
+    seen: dict[str, _Seen],
+    now: str,
+    valid: Callable[[Any], bool],
+) -> tuple[dict[str, Any], dict[str, _Seen]]:
+    """``entries`` (the file's, every job's) merged with this store's ``ours``, within the bounds; and the entries
+    of ours it writes.
+
+    An entry of ours that differs from what this store last read or wrote (``seen``: this job changed it, or
+    never saved it) is written, stamped ``now`` (or kept as it is where the file already has it so), and kept
+    whatever the bounds (just saved). One that does not is left as the file has it: the file holds what this
+    store wrote, or what another job of the same model saved since, which is newer; where the file lost it, it is
+    put back with its stamp. Every other entry is kept, the most recent first (``valid`` says which are worth it).
+    """
+    written: dict[str, Any] = {}
+    restored: dict[str, Any] = {}
+    for key, data in ours.items():
+        previous, before = entries.get(key), seen.get(key)
+        if before is not None and before.data == data:  # not changed here since it was read or written
+            if not valid(previous):  # (the file lost it: a corrupt file rewritten, another job's bounds)
+                restored[key] = {**data, "updated": before.updated if isinstance(before.updated, str) else now}
+            continue
+        same = isinstance(previous, dict) and {k: v for k, v in previous.items() if k != "updated"} == data
+        updated = previous.get("updated") if same and isinstance(previous, dict) else None
+        written[key] = {**data, "updated": updated if isinstance(updated, str) else now}
+    counts: dict[str, int] = {}  # (ours count towards their model's bound before the others)
+    written = _newest(written, PER_MODEL, TOTAL, valid, counts)
+    others = {**{key: entry for key, entry in entries.items() if key not in written}, **restored}
+    kept = _newest(others, PER_MODEL, TOTAL - len(written), valid, counts)
+    merged = {**kept, **written}
+    stamps = {key: _Seen(ours[key], entry["updated"]) for key, entry in written.items()}
+    return merged, stamps
 
 
 def _refusals(refuse: Callable[[Plan], Sequence[str]] | None, plan: Plan) -> Sequence[str]:
@@ -268,17 +310,22 @@ def _is_answer(entry: Any) -> bool:
 
 
 def _newest(
-    entries: dict[str, Any], per_model: int, limit: int, valid: Callable[[Any], bool] = _is_entry
+    entries: dict[str, Any],
+    per_model: int,
+    limit: int,
+    valid: Callable[[Any], bool] = _is_entry,
+    counts: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The most recently updated of ``entries``: at most ``per_model`` of each model and device (the key's part
-    before the bucket), ``limit`` in all; ties by key, so every writer keeps the same.
+    before the bucket; ``counts``: those already kept, by model, updated here), ``limit`` in all; ties by key, so
+    every writer keeps the same.
 
     Entries no reader could use (a plan that is not a flat mapping) are dropped, not copied on. Only the entries
     walked are checked, newest first, so a save over a huge file costs one sort of its keys.
     """
     order = sorted(((_moment(entry), key) for key, entry in entries.items()), reverse=True)
     kept: dict[str, Any] = {}
-    counts: dict[str, int] = {}
+    counts = {} if counts is None else counts
     for _, key in order:
         if len(kept) >= limit:
             break
