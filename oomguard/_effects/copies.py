@@ -1,15 +1,19 @@
 """The device copy of a halved weight at the master level (:mod:`.masters`): which storage it is, whether what a
-parameter points at is still it, and the master merged with what was written into it.
+parameter points at is still it, and the master merged with what was written into it; and the copies of a model
+whose weights are halved (``copy.deepcopy``, ``torch.save``): fp32 parameters holding each weight's value.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["layout", "merged", "ours"]
+from oomguard._effects.hooks import released
+
+__all__ = ["deep_copies", "layout", "mended", "merged", "ours"]
 
 _BF16 = torch.bfloat16
 
@@ -44,3 +48,33 @@ def merged(weight: _Halved, values: torch.Tensor) -> torch.Tensor:
     else:
         written = values.float() != weight.image.float()
     return torch.where(written, values.float(), weight.master)
+
+
+def deep_copies(
+    memo: dict[Any, Any],
+    key: Hashable,
+    values: Callable[[], dict[torch.nn.Parameter, torch.Tensor]],
+    places: dict[torch.nn.Parameter, torch.device],
+) -> None:
+    """``copy.deepcopy`` of a model under way (``memo``): each halved parameter's copy an fp32 parameter holding its
+    value (``values()``), on its device (``places``): made here, or, where the copy already met the parameter, given
+    that value. ``key`` marks it done (every hook of the model asks; the first answers)."""
+    if key in memo:
+        return
+    memo[key] = True
+    keep = memo.setdefault(id(memo), [])  # (copy's own list of originals kept alive while it runs)
+    for param, value in values().items():
+        fp32 = value.to(places[param], copy=True)
+        copied = memo.get(id(param))
+        if copied is not None:
+            copied.data = fp32
+        else:
+            memo[id(param)] = type(param)(fp32, param.requires_grad)
+            keep.append(param)
+
+
+def mended(pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> Callable[..., None]:
+    """An unpickled copy of a model saved at the master level: each halved parameter its fp32 master, where loaded."""
+    for param, master in pairs:
+        param.data = master.to(param.device)
+    return released

@@ -11,12 +11,14 @@ a function to call with what it needs (see :meth:`Copying.pickled`).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
+import torch
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Copying", "GuardHook", "aside", "released", "step_replaced"]
+__all__ = ["Autocasting", "Copying", "GuardHook", "aside", "released", "step_replaced"]
 
 
 @contextlib.contextmanager
@@ -90,3 +92,41 @@ class GuardHook:
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         return self._copying.pickled() if self._copying is not None else (_released, ())
+
+
+class Autocasting:
+    """Forwards of modules that hold the master level's bf16 weights (the model, a layer called on its own) run
+    under bf16 autocast where none is on (an evaluation outside the guard's step), as the step's own do: the weights
+    they meet are bf16. Inside any autocast (the step's), nothing changes. Per thread, the contexts entered."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self._local = threading.local()
+
+    def _entered(self) -> list[tuple[torch.nn.Module, Any]]:
+        entered: list[tuple[torch.nn.Module, Any]] = self._local.__dict__.setdefault("entered", [])
+        return entered
+
+    def enter(self, module: torch.nn.Module) -> None:
+        """``module``'s forward begins (a forward pre-hook)."""
+        context = None
+        if not torch.is_autocast_enabled(self.device_type):
+            context = torch.autocast(self.device_type, dtype=torch.bfloat16)
+            context.__enter__()  # type: ignore[no-untyped-call]
+        self._entered().append((module, context))
+
+    def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """``module``'s forward ended, or raised (a forward hook called always)."""
+        entered = self._entered()
+        if entered and entered[-1][0] is module:  # (not when a hook before ours raised before it entered)
+            _, context = entered.pop()
+            if context is not None:
+                context.__exit__(None, None, None)
+
+    def unwind(self) -> None:
+        """An attempt begins: no autocast left entered by a forward that was interrupted."""
+        entered = self._entered()
+        while entered:
+            _, context = entered.pop()
+            if context is not None:
+                context.__exit__(None, None, None)

@@ -24,7 +24,6 @@ nothing of the guard (:mod:`.hooks`).
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,13 +35,15 @@ from torch.utils.hooks import RemovableHandle
 from oomguard._backends.memory import MemoryBackend
 from oomguard._effects.ascent import Ascent
 from oomguard._effects.base import EffectTarget
+from oomguard._effects.copies import deep_copies as _deep_copies
 from oomguard._effects.copies import layout as _layout
+from oomguard._effects.copies import mended as _mended
 from oomguard._effects.copies import merged as _merged
 from oomguard._effects.copies import ours as _ours
 from oomguard._effects.descent import Descent
 from oomguard._effects.early import EarlyStep, SpoiledEarlyStep, recomputes_forward
 from oomguard._effects.fingerprint import Fingerprints
-from oomguard._effects.hooks import GuardHook, aside, released
+from oomguard._effects.hooks import Autocasting, GuardHook, aside
 from oomguard._effects.hoststep import HostStep
 
 __all__ = ["MasterWeights"]
@@ -64,13 +65,6 @@ class _Weight:
     summed: bool = False  # whether ``grad`` holds this attempt's gradients
 
 
-def _mended(pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> Callable[..., None]:
-    """An unpickled copy of a model saved at the master level: each halved parameter its fp32 master, where loaded."""
-    for param, master in pairs:
-        param.data = master.to(param.device)
-    return released
-
-
 class MasterWeights:
     """The master level of one model and optimizer (see the module)."""
 
@@ -85,9 +79,8 @@ class MasterWeights:
         self._descent = Descent()  # the gradients on their way down in this backward
         self.ascent = Ascent()  # the stepped weights on their way up (the planner reads what overlapped the step)
         self.early = EarlyStep()  # buckets stepped during the last backward (the planner reads how many elements)
-        self._autocast = threading.local()  # per thread: the autocast contexts the forward hooks entered
-        #: The version counter of each weight as an armed early step's forward began (None: not begun yet).
-        self._versions: list[int] | None = None
+        self._autocast = Autocasting(target.device_type)  # (a forward outside the step: bf16, as the step's own)
+        self._versions: list[int] | None = None  # as an armed early step's forward began (None: not yet)
 
     def __contains__(self, param: object) -> bool:
         return param in self._weights
@@ -154,11 +147,7 @@ class MasterWeights:
         self._descent.drop()  # (a failed attempt's gradients are dropped, summed or not)
         for weight in self._weights.values():
             weight.summed = False
-        contexts = getattr(self._autocast, "entered", [])
-        while contexts:
-            _, context = contexts.pop()
-            if context is not None:
-                context.__exit__(None, None, None)
+        self._autocast.unwind()
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         """Backward has accumulated ``param``'s gradient (a halved one): on its way down, the device copy let go."""
@@ -173,8 +162,7 @@ class MasterWeights:
 
     def step_early(self, host_step: HostStep, budget: int | None) -> bool:
         """The last backward of an attempt whose step nothing else looks at first is next: each bucket of weights
-        may step as backward completes it (:mod:`.early`). What is written on the device is committed when the
-        model's forward begins (:meth:`_commit_writes`) and checked once it is done (:meth:`early_backward`)."""
+        may step as backward completes it (:mod:`.early`, which says when writes on the device are taken in)."""
         weights, optimizer, backend = list(self._weights.values()), self.target.torch_optimizer, self._backend
         groups = None if backend is None or self._swapped else self.early.groups(weights, optimizer)
         if not groups or backend is None:
@@ -183,31 +171,23 @@ class MasterWeights:
         return self.early.arm(groups, optimizer, host_step, backend, self.ascent, budget)
 
     def _commit_writes(self) -> None:
-        """An armed early step's forward begins (the first of the model's forward pre-hooks): what was written on
-        the device since the weights last matched their masters (between calls, or by the step function before
-        its forward: weights clipped through ``p.data``) is committed, while the forward holds nothing on the
-        device yet; the version counters are noted, to tell the writes the forward itself makes."""
+        """An armed step's forward begins (the model's first forward pre-hook; else once it is done): the writes on
+        the device since the last commit taken in, and the version counters noted (see :mod:`.early`)."""
         self.sync()
         self._versions = [w.param._version for w in self._weights.values()]
 
     def early_backward(self, loss: torch.Tensor) -> bool:
-        """The last forward is done and its step armed to begin in the backward from ``loss`` (:meth:`step_early`):
-        the writes the forward made on the weights (an embedding's ``max_norm``), seen by their version counters,
-        are committed to the masters first; disarmed where backward runs forward code again (a reentrant
-        checkpoint) or a device copy was replaced (committed after backward, as without the early step)."""
+        """The armed step's last forward is done (see :mod:`.early`): what it wrote, told by version counters,
+        taken in; disarmed beside a reentrant checkpoint or a replaced device copy (taken in after backward)."""
         if not self.early.armed:
             return False
-        if self._versions is None:  # (no forward hook of ours ran: the step called none of the model's modules)
+        if self._versions is None:  # (no forward hook of ours ran)
             self._commit_writes()
         weights = list(self._weights.values())
-        replaced = any(not _ours(w, w.param.data) for w in weights)
-        if replaced or recomputes_forward(loss):
+        if any(not _ours(w, w.param.data) for w in weights) or recomputes_forward(loss):
             self.early.disarm()
             return False
-        versions = self._versions or []
-        written = [w for w, seen in zip(weights, versions, strict=True) if w.param._version != seen]
-        if written:
-            self.sync(only=written)
+        self.sync(only=[w for w, seen in zip(weights, self._versions or [], strict=True) if w.param._version != seen])
         return True
 
     def after_micro_batch(self) -> None:
@@ -314,9 +294,8 @@ class MasterWeights:
 
     def sync(self, only: list[_Weight] | None = None) -> None:
         """Commit what was written on the device: the masters take the written elements, and a replaced device
-        copy (``p.data = ...``) becomes a bf16 copy on the device again. ``only``: of these weights, found written
-        by their version counters (nothing more is checked, and their checksums are taken again by the next record:
-        the comparison before it finds them changed and, the masters already holding the writes, takes nothing)."""
+        copy (``p.data = ...``) becomes a bf16 copy on the device again. ``only``: just these weights, found written
+        by their version counters (no checksum; the next comparison finds them changed, and takes nothing more)."""
         written = self._written(only)
         for weight, values in written.items():
             merged = _merged(weight, values)
@@ -364,8 +343,8 @@ class MasterWeights:
         ]
         owners = [m for m in model.modules() if any(id(p) in halved for p in m._parameters.values())]
         for module in dict.fromkeys([model, *owners]):
-            self._hooks.append(module.register_forward_pre_hook(GuardHook(self._enter_autocast)))
-            self._hooks.append(module.register_forward_hook(GuardHook(self._exit_autocast), always_call=True))
+            self._hooks.append(module.register_forward_pre_hook(GuardHook(self._forward_begins)))
+            self._hooks.append(module.register_forward_hook(GuardHook(self._autocast.exit), always_call=True))
 
     def _saving(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
         """``state_dict()`` gives each halved parameter as fp32: its master with what was written since (copies)."""
@@ -396,44 +375,19 @@ class MasterWeights:
             self._backend.upload(weight.param.data, weight.image)
         self._prints.record_host([w.image for w in self._weights.values()])
 
-    def _enter_autocast(self, module: torch.nn.Module, args: Any) -> None:
-        """A forward outside the guard's step (an evaluation) runs under bf16 autocast, as the step's own does:
-        the weights it meets are bf16. Inside any autocast (the step's), nothing changes. (The first forward of an
-        armed early step commits what was written first: :meth:`_commit_writes`.)"""
+    def _forward_begins(self, module: torch.nn.Module, args: Any) -> None:
+        """A forward of the model or of a module owning a halved weight: under bf16 autocast where none is on (see
+        :class:`.hooks.Autocasting`); the first of an armed early step's takes in what was written first."""
         if self._versions is None and self.early.armed:
             self._commit_writes()
-        entered = self._autocast.__dict__.setdefault("entered", [])
-        context = None
-        if not torch.is_autocast_enabled(self.target.device_type):
-            context = torch.autocast(self.target.device_type, dtype=_BF16)
-            context.__enter__()  # type: ignore[no-untyped-call]
-        entered.append((module, context))
-
-    def _exit_autocast(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        entered = getattr(self._autocast, "entered", [])
-        if entered and entered[-1][0] is module:  # (not when a hook before ours raised before it entered)
-            _, context = entered.pop()
-            if context is not None:
-                context.__exit__(None, None, None)
+        self._autocast.enter(module)
 
     # -- copies of the model ----------------------------------------------------------------------------
     def deepcopied(self, memo: dict[Any, Any]) -> None:
         """``copy.deepcopy(model)``: each halved parameter's copy is an fp32 parameter holding its value, on its
-        device (made here, or, where the copy already met the parameter, given that value)."""
-        key = ("oomguard.masters", id(self))  # (every hook of the model asks; the first answers)
-        if key in memo:
-            return
-        memo[key] = True
-        keep = memo.setdefault(id(memo), [])  # (copy's own list of originals kept alive while it runs)
-        for param, value in self.truth().items():
-            device = self._weights[param].device
-            fp32 = value.to(device.device if device is not None else param.device, copy=True)
-            copied = memo.get(id(param))
-            if copied is not None:
-                copied.data = fp32
-            else:
-                memo[id(param)] = type(param)(fp32, param.requires_grad)
-                keep.append(param)
+        device (see :func:`.copies.deep_copies`)."""
+        places = {p: w.device.device if w.device is not None else p.device for p, w in self._weights.items()}
+        _deep_copies(memo, ("oomguard.masters", id(self)), self.truth, places)
 
     def pickled(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         """``torch.save(model)``: the loaded copy's halved parameters become their fp32 values (the file holds the
