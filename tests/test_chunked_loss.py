@@ -227,6 +227,29 @@ def test_a_step_reading_the_logits_gets_the_unchunked_values_and_their_gradient(
         assert_close_relative(p.grad, q.grad, 1e-5)
 
 
+def test_logits_read_under_no_grad_first_still_train_a_loss_built_from_them_after() -> None:
+    """A metric reads the logits under ``torch.no_grad()``, then the step builds a loss term from them (a z-loss):
+    the term trains as without the rung. Before, the logits made without history on that first read were kept, and
+    the term gave no gradient (0.0166 off after two steps)."""
+    batch = ragged()
+
+    def trained(rung: bool) -> tuple[float, list[torch.Tensor]]:
+        model = qwen2()
+        if rung:
+            chunked(model)
+        out = model(**batch)
+        with torch.no_grad():
+            accuracy = (out.logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]).float().mean()
+        z_loss = out.logits.logsumexp(-1).square().mean()
+        (out.loss + 1e-2 * z_loss).backward()
+        return accuracy.item(), [p.grad for p in model.parameters()]
+
+    (accuracy, grads), (want_accuracy, want) = trained(True), trained(False)
+    assert accuracy == want_accuracy
+    for got, expected in zip(grads, want, strict=True):
+        assert_close_relative(got, expected, 1e-5)
+
+
 def test_a_forward_without_labels_gives_real_logits_with_gradient_history() -> None:
     model = qwen2()
     batch = ragged()

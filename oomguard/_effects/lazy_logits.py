@@ -10,7 +10,8 @@ rows come out exactly as the full tensor's would.
 
 Anything else that meets the tensor (a token-accuracy metric's ``argmax``, a distillation loss, a slice,
 ``print``) gets the real logits: they are computed once, with gradient history when grad mode is on (a loss built
-from them trains exactly as without the rung), kept for the next read, and the op runs on them. Recording happens
+from them trains exactly as without the rung), kept for the next read, and the op runs on them; made under
+``no_grad`` (a metric), they are computed again, with history, for the first use that needs it. Recording happens
 at the torch-function level, before any dispatch mode (the simulated GPU, the planner's fake tensors) sees an op,
 so the wrapper itself never reaches a kernel.
 """
@@ -136,8 +137,11 @@ class LazyLogits(torch.Tensor):
         return self._real is not None
 
     def materialize(self) -> torch.Tensor:
-        """The real logits: computed on first use (with gradient history where grad mode is on), then kept."""
-        if self._real is None:
+        """The real logits: computed on first use (with gradient history where grad mode is on), then kept. Made
+        without history (a metric read them under ``no_grad``) where a use now needs it (a loss term built from
+        them after), they are computed again, with it, and those are kept."""
+        history = self.requires_grad and torch.is_grad_enabled()
+        if self._real is None or (history and not self._real.requires_grad):
             with torch._C.DisableTorchFunctionSubclass():
                 logits = self.head.logits()
                 for step in self.steps:
