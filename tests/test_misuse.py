@@ -606,3 +606,36 @@ def _peak_of_whole_batch(x: torch.Tensor, y: torch.Tensor) -> int:
         torch.nn.functional.mse_loss(model(x).squeeze(-1), y).backward()
         optimizer.step()
         return gpu.max_memory_allocated()
+
+
+def test_a_parameter_group_added_after_the_guard_was_made_is_clipped_with_the_others() -> None:
+    """Progressive unfreezing: a frozen layer unfrozen and added with ``add_param_group`` after the guard was made.
+    Its gradients count in the clipped norm, as in an unguarded loop. Before: the guard clipped the parameters it had
+    read at its construction (a norm of 151.9 reported where it was 203.9)."""
+
+    def run(guarded: bool) -> tuple[list[float], list[torch.Tensor]]:
+        model = make_mlp(width=64)
+        model[0].requires_grad_(False)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        guard = OOMGuard(mse_step(model), model=model, optimizer=optimizer, max_grad_norm=0.1, ladder=[])
+        norms = []
+        with SimulatedGPU("1GiB") as gpu:
+            gpu.adopt(model)
+            for seed in range(4):
+                if seed == 2:
+                    model[0].requires_grad_(True)
+                    optimizer.add_param_group({"params": list(model[0].parameters())})
+                batch = tuple_batch(seed=seed)
+                if guarded:
+                    norms.append(guard(batch).grad_norm)
+                    continue
+                mse_step(model)(batch).backward()
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                norms.append(float(torch.nn.utils.clip_grad_norm_(params, 0.1)))
+                optimizer.step()
+                optimizer.zero_grad()
+        return norms, state(model, optimizer)
+
+    guarded, plain = run(True), run(False)
+    assert guarded[0] == plain[0]
+    assert same(guarded[1], plain[1])

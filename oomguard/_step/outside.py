@@ -13,7 +13,7 @@ only through the step function's closure is not seen.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -28,17 +28,18 @@ Saved = list[tuple[torch.Tensor, torch.Tensor | None]]
 class OutsideLeaves:
     """The leaves a step's loss reaches outside ``params``, found once, and their gradients kept per attempt."""
 
-    def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self._params = {id(p) for p in params}
+    def __init__(self, params: Callable[[], Iterable[torch.Tensor]]) -> None:
+        self._params = params  # (asked at each attempt: the optimizer may have gained a group since)
         self._found: list[weakref.ref[torch.Tensor]] | None = None
 
     def keep(self, loss: torch.Tensor, batch: Any) -> Saved:
         """The leaves' gradients now (copies), before the attempt's first backward on ``batch``."""
+        params = {id(p) for p in self._params()}
         if self._found is None:
-            self._found = [weakref.ref(leaf) for leaf in _leaves(loss) if id(leaf) not in self._params]
-        leaves = {id(leaf): leaf for ref in self._found if (leaf := ref()) is not None}
+            self._found = [weakref.ref(leaf) for leaf in _leaves(loss)]
+        leaves = {id(leaf): leaf for ref in self._found if (leaf := ref()) is not None and id(leaf) not in params}
         for _, tensor in batch_leaves(batch):
-            if tensor.requires_grad and tensor.is_leaf and id(tensor) not in self._params:
+            if tensor.requires_grad and tensor.is_leaf and id(tensor) not in params:
                 leaves.setdefault(id(tensor), tensor)
         return [(leaf, None if leaf.grad is None else leaf.grad.detach().clone()) for leaf in leaves.values()]
 

@@ -21,7 +21,7 @@ from torch._guards import detect_fake_mode
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._distributed.agreement import Agreement, quiet_ddp
-from oomguard._distributed.peers import Outcome, failure_outcome, peer_failure
+from oomguard._distributed.peers import Outcome, failure_outcome, own_or_peer_failure, peer_failure
 from oomguard._effects.early import SpoiledEarlyStep
 from oomguard._effects.effects import Effects
 from oomguard._effects.transaction import OptimizerTransaction, Scheduler
@@ -93,8 +93,7 @@ class StepRunner:
         self.agreement = agreement
         self.ddp = ddp
         self.accelerator = accelerator  # Hugging Face Accelerate: its backward (loss scaling) and clipping
-        self._params = [p for group in optimizer.param_groups for p in group["params"]]
-        self._outside = OutsideLeaves(self._params)
+        self._outside = OutsideLeaves(lambda: self._params)
         self._outside_grads: Saved = []  # the gradients of leaves outside the optimizer before this attempt
         #: Bytes of the gradients of every trainable parameter: the part of a step's peak that micro-batching keeps.
         self.grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -104,6 +103,12 @@ class StepRunner:
         self.step_begins: Callable[[], None] = nothing
         #: Whether a backward accumulated a gradient after its bucket had stepped early (:mod:`oomguard._effects.early`)
         self.early_spoiled = False
+
+    @property
+    def _params(self) -> list[torch.Tensor]:
+        """Every parameter the optimizer steps, read from its groups at each use: a group added since the guard was
+        made (progressive unfreezing) is clipped, checked and averaged over the ranks with the others."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def zero_grad(self) -> None:
         """Drop every gradient (set to None, so their memory is freed)."""
@@ -277,7 +282,11 @@ class StepRunner:
             journal = failure is not None or not self.transaction.can_skip_journal(job.backend)
             verdict = self.progress.verdict = self.agreement.after_backward(outcome, self.progress.phase, journal)
             if verdict.outcome != "ok":
-                error = failure if failure is not None else peer_failure(verdict.outcome, verdict.phase)
+                error = (
+                    peer_failure(verdict.outcome, verdict.phase)
+                    if failure is None
+                    else own_or_peer_failure(failure, outcome, verdict.outcome, verdict.phase)
+                )
                 # This frame is in the error's traceback: holding the error here too would make a reference
                 # cycle that keeps the failed forward's tensors alive until the garbage collector runs.
                 failure = None
@@ -366,8 +375,12 @@ class StepRunner:
                 raise NonFiniteLoss(non_finite("gradient norm", norm))  # (clipping scaled every gradient by it)
             return norm
         except Exception as exc:
-            if self.agreement is not None:  # the other ranks are about to agree after their step
-                self.agreement.after_step(outcome_of(exc, backend))
+            if self.agreement is None:
+                raise
+            own = outcome_of(exc, backend)  # (the other ranks are about to agree after their step)
+            failure = own_or_peer_failure(exc, own, self.agreement.after_step(own), Phase.CLIP)
+            if failure is not exc:
+                raise failure from None
             raise
 
 
