@@ -33,13 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from oomguard._distributed.peers import Outcome
+from oomguard._distributed.peers import OUTCOMES, Outcome
 from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Phase, Plan
 
 __all__ = ["Agreement", "Verdict", "ddp_of", "distributed_active", "quiet_ddp", "unwrap"]
 
-_OUTCOMES: tuple[Outcome, ...] = ("ok", "oom", "host", "fatal")  # ordered: the worst is the largest
 # A failure's phase as a number: the deepest any rank reached wins the MAX, and every rank escalates from it.
 _PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.APPLY)
 _LEAST = -(2**62)  # what a rank sends where only rank 0's figure counts
@@ -86,12 +85,12 @@ class Agreement:
     def after_backward(self, outcome: Outcome, phase: Phase, journal: bool) -> Verdict:
         """Agreement A: how every rank's forward and backward went, and whether any needs a journal."""
         code = _PHASE_CODE.get(phase, 0) if outcome != "ok" else 0
-        agreed = self._all_max(_OUTCOMES.index(outcome), code, int(journal))
-        return Verdict(_OUTCOMES[agreed[0]], _PHASES[agreed[1]], bool(agreed[2]))
+        agreed = self._all_max(OUTCOMES.index(outcome), code, int(journal))
+        return Verdict(OUTCOMES[agreed[0]], _PHASES[agreed[1]], bool(agreed[2]))
 
     def after_step(self, outcome: Outcome) -> Outcome:
         """Agreement B: the worst outcome of every rank's clip, optimizer step and scheduler step."""
-        return _OUTCOMES[self._all_max(_OUTCOMES.index(outcome))[0]]
+        return OUTCOMES[self._all_max(OUTCOMES.index(outcome))[0]]
 
     def plans_of_rank0(
         self, plans: list[Plan] | None, base: Plan, batch_size: int, ladder: Ladder

@@ -38,7 +38,7 @@ from oomguard._backends.host import host_in_use, host_peak
 from oomguard._backends.memory import MemoryBackend
 from oomguard._backends.units import format_bytes
 from oomguard._detect import is_oom
-from oomguard._distributed.peers import Agree, failure_outcome, peer_failure
+from oomguard._distributed.peers import Agree, failure_outcome, own_or_peer_failure, peer_failure
 from oomguard._effects.interrupts import run_whole
 from oomguard._errors import StepRollbackError
 from oomguard._events import logger
@@ -267,8 +267,12 @@ class OptimizerTransaction:
             run()
         except BaseException as exc:
             undo()
-            if agree is not None and isinstance(exc, Exception):
-                agree(failure_outcome(exc, backend.offloads))  # (host memory: all stop, and say so)
+            if agree is None or not isinstance(exc, Exception):
+                raise
+            own = failure_outcome(exc, backend.offloads)  # (host memory: all stop, and say so)
+            failure = own_or_peer_failure(exc, own, agree(own), Phase.OPTIMIZER)
+            if failure is not exc:
+                raise failure from None
             raise
         outcome = agree("ok") if agree is not None else "ok"
         if outcome != "ok":

@@ -9,7 +9,7 @@ from typing import Generic, TypeVar
 
 from oomguard._backends.memory import MemoryBackend
 from oomguard._distributed.agreement import Agreement
-from oomguard._distributed.peers import peer_failure
+from oomguard._distributed.peers import own_or_peer_failure, peer_failure
 from oomguard._errors import GuardConfigError
 from oomguard._guard.call import Call
 from oomguard._ladder.plan import Phase, Plan
@@ -121,7 +121,10 @@ def agreed(run: Callable[[], T], agreement: Agreement | None, backend: MemoryBac
         try:
             result = run()
         except Exception as exc:
-            agreement.after_step(outcome_of(exc, backend))  # the others are about to agree after their part
+            own = outcome_of(exc, backend)  # (the others are about to agree after their part)
+            failure = own_or_peer_failure(exc, own, agreement.after_step(own), phase)
+            if failure is not exc:
+                raise failure from None
             raise
         outcome = agreement.after_step("ok")
         if outcome != "ok":
