@@ -9,12 +9,20 @@ from typing import Any
 import pytest
 import torch
 from helpers.batch_trees import KEYS, OTHER_LEAVES, Pair, assert_rejoins, nested_batches, shares_storage
+from helpers.batches import MAPPING_LEAVES, as_mapping_leaf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._pytree import tree_flatten
 
 from oomguard import BatchSplitError, batch_size, split_batch
-from oomguard._step.batch import count_items, default_item_counter, first_samples
+from oomguard._step.batch import (
+    batch_leaves,
+    batch_tensors,
+    count_items,
+    default_item_counter,
+    first_samples,
+    map_tensors,
+)
 
 IGNORE = -100
 
@@ -123,6 +131,31 @@ def test_transformers_batch_encoding_stays_a_batch_encoding() -> None:
     assert parts[1].input_ids.tolist() == [[9, 10, 11]]  # attribute access still works
     assert torch.equal(torch.cat([part["attention_mask"] for part in parts]), batch["attention_mask"])
     assert all(shares_storage(part["input_ids"], batch["input_ids"]) for part in parts)
+
+
+class Row(list):  # type: ignore[type-arg]
+    """A user's list subclass: a leaf to torch's pytree, split as a list."""
+
+
+@pytest.mark.parametrize("kind", MAPPING_LEAVES)
+def test_map_tensors_walks_into_what_torch_pytree_takes_for_leaves_as_splitting_does(kind: str) -> None:
+    """Issue 45, finding 13: the dry run faked a batch's tensors with torch's pytree, which walks plain dicts, lists
+    and tuples only: a ``BatchEncoding``'s or a ``UserDict``'s tensors stayed real. ``map_tensors`` (the dry run's
+    walk now) and ``batch_tensors`` find every tensor ``split_batch`` splits, and keep the containers' types."""
+    inner = as_mapping_leaf(kind, {"input_ids": torch.ones(2, 3), "labels": torch.zeros(2, 3)})
+    batch = {"text": as_mapping_leaf(kind, {"ids": inner, "rows": Row([torch.ones(2), "a"])}), "tag": "t"}
+    made = map_tensors(lambda tensor: tensor + 1, batch)
+    assert type(made["text"]) is type(batch["text"]) and type(made["text"]["ids"]) is type(inner)
+    assert made["text"]["ids"]["labels"].tolist() == [[1.0] * 3] * 2 and made["tag"] == "t"
+    assert type(made["text"]["rows"]) is Row and made["text"]["rows"][0].tolist() == [2.0, 2.0]
+    assert made["text"]["rows"][1] == "a"
+    assert (
+        [tuple(t.shape) for t in batch_tensors(batch)]
+        == [(2, 3), (2, 3), (2,)]
+        == [tuple(t.shape) for _, t in batch_leaves(batch)]
+    )
+    plain = as_mapping_leaf(kind, {"names": ["a", "b"]})
+    assert map_tensors(torch.zeros_like, plain) is plain, "a container with no tensor is given back as it is"
 
 
 # -- errors -----------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.batches import tuple_batch
+from helpers.batches import MAPPING_LEAVES, as_mapping_leaf, lm_batch, tuple_batch
 from helpers.models import make_llama, make_mlp
 from helpers.scenarios import SCENARIOS, scenario_batches
 from helpers.steps import mse_step
@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor, is_fake
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from oomguard import LossError, NonFiniteLoss, OOMGuard, Plan, oom_guard
+from oomguard._planner.fakes import preplan
 from oomguard._planner.speed import measure_speed
 from oomguard.testing import SimulatedGPU
 
@@ -475,3 +476,32 @@ def test_a_dry_run_while_master_weights_hold_the_model_plans_the_users_fp32_mode
         expected = preplan(model_step(fresh), batches[1], fresh_guard.options, gpu, bf16=True, plans=[plain])
     assert expected is not None
     assert report.candidates[0].peak_bytes == expected.candidates[0].peak_bytes, "the user's fp32 model, planned"
+
+
+@pytest.mark.parametrize("kind", MAPPING_LEAVES)
+def test_a_mapping_batch_torch_pytree_takes_for_a_leaf_is_faked_in_the_dry_run_and_planned_as_a_dict(
+    kind: str,
+) -> None:
+    """Issue 45, finding 13: a tokenizer's ``BatchEncoding`` (or a ``UserDict``) is a leaf to torch's pytree, so the
+    dry run handed the step its real tensors, and the planner's measurement left the batch's own bytes out. Its
+    tensors are now faked as a dict's are: the step sees only fakes, and the planner measures what it measures for
+    the same batch as a dict."""
+    model = make_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def step(batch: Any) -> Any:
+        step.fake.append(is_fake(batch["input_ids"]))  # type: ignore[attr-defined]  # (no dry run puts it back)
+        return model(**batch).loss
+
+    step.fake = []  # type: ignore[attr-defined]
+    guard = OOMGuard(step, model=model, optimizer=optimizer, tune_after=None)
+    batch = lm_batch(8, 64)
+    with SimulatedGPU("64MiB") as gpu:
+        gpu.adopt(model)
+        peaks = {}
+        for name, made in (("dict", dict(batch)), (kind, as_mapping_leaf(kind, batch))):
+            report = preplan(step, made, guard.options, gpu, bf16=False)
+            assert report is not None and report.recommended == Plan(), "the batch fits whole"
+            peaks[name] = [candidate.peak_bytes for candidate in report.candidates]
+    assert step.fake and all(step.fake), f"the step saw real tensors in {step.fake.count(False)} fake step(s)"  # type: ignore[attr-defined]
+    assert peaks[kind] == peaks["dict"], peaks

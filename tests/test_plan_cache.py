@@ -13,13 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.batches import tuple_batch
+from helpers.batches import MAPPING_LEAVES, as_mapping_leaf, lm_batch, tuple_batch
 from helpers.models import make_mlp
 from helpers.steps import mse_step
 from torch._subclasses.fake_tensor import is_fake
 
 from oomguard import MicroBatch, OOMGuard, Plan, PlannedEvent
 from oomguard._cli.main import main
+from oomguard._guard.answers import batch_signature
 from oomguard._guard.persist import PER_MODEL, PlanStore
 from oomguard.testing import SimulatedGPU
 
@@ -289,3 +290,20 @@ def test_two_guards_of_one_model_saving_alternately_keep_each_others_plans(tmp_p
         results = {restarted.options.bucket(batch): restarted(batch) for batch in batches}
     assert {bucket: r.plan for bucket, r in results.items()} == plans, "every plan remembered"
     assert all(r.ooms == 0 for r in results.values()) and step.fake_calls == 0
+
+
+# -- issue 45, finding 13: the answers of mapping batches torch's pytree takes for leaves ---------------------
+
+
+@pytest.mark.parametrize("kind", MAPPING_LEAVES)
+def test_a_mapping_batch_torch_pytree_takes_for_a_leaf_is_recorded_by_its_shapes(kind: str) -> None:
+    """Issue 45, finding 13: a ``BatchEncoding`` or a ``UserDict`` was one leaf to the signature, so batches of 8 x 64
+    and 8 x 2048 tokens shared one recorded answer (the long batch took the short one's plan). Its keys and its
+    tensors' shapes and dtypes are in the signature now, as a dict's are; its values are not."""
+    short, long = (as_mapping_leaf(kind, lm_batch(8, length)) for length in (64, 2048))
+    assert batch_signature(short) != batch_signature(long)
+    same_shape = as_mapping_leaf(kind, {key: torch.ones_like(value) for key, value in lm_batch(8, 64).items()})
+    assert batch_signature(same_shape) == batch_signature(short), "values are not part of it"
+    assert batch_signature(as_mapping_leaf(kind, {**lm_batch(8, 64), "mask": None})) != batch_signature(short)
+    narrower = as_mapping_leaf(kind, {key: value.to(torch.int32) for key, value in lm_batch(8, 64).items()})
+    assert batch_signature(narrower) != batch_signature(short), "dtypes are"

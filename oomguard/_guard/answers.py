@@ -112,12 +112,18 @@ class Answer:
 
 def batch_signature(batch: Any) -> str:
     """The batch's structure, and each tensor's shape and dtype (a plain value's type and value): what a dry run
-    of it sees, whose values are fake."""
+    of it sees, whose values are fake. A mapping, list or tuple torch's pytree takes for a leaf (a tokenizer's
+    ``BatchEncoding``, a ``UserDict``) is walked inside as the dry run fakes it
+    (:func:`~oomguard._step.batch.map_tensors`)."""
     leaves, spec = tree_flatten(batch)
     parts = [str(spec)]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             parts.append(f"{leaf.dtype}{tuple(leaf.shape)}")
+        elif isinstance(leaf, Mapping):
+            parts.append(f"{type(leaf).__qualname__}{{{batch_signature(dict(leaf))}}}")
+        elif isinstance(leaf, (list, tuple)):
+            parts.append(f"{type(leaf).__qualname__}[{batch_signature(list(leaf))}]")
         elif isinstance(leaf, (bool, int, float, str, type(None))):
             parts.append(f"{type(leaf).__name__}:{leaf!r}"[:100])
         else:

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from oomguard._effects.elision import Repeat, eliding
 from oomguard._ladder.plan import Phase, Plan
@@ -19,10 +18,10 @@ from oomguard._planner.reads import PlaceholderReads
 from oomguard._planner.regions import stack
 from oomguard._planner.report import Candidate, Target, device_overhead, tensor_budget
 from oomguard._planner.speed import DeviceSpeed, FlopCount
-from oomguard._step.batch import batch_size, first_samples
+from oomguard._step.batch import batch_size, batch_tensors, first_samples
 from oomguard._step.runner import StepRunner
 
-__all__ = ["StepBench", "close", "tensors_of_batch", "two_micro_batches"]
+__all__ = ["StepBench", "close", "two_micro_batches"]
 
 
 class StepBench:
@@ -74,7 +73,7 @@ class StepBench:
         if not self.warmed:
             self.warmed = True
             with self._own_model():
-                self.probe.adopt(self.runner.model, tensors_of_batch(self.batch))
+                self.probe.adopt(self.runner.model, batch_tensors(self.batch))
                 if self.every_parameter_steps:
                     self.steps += 1
                     self._optimizer_step(Plan())
@@ -114,9 +113,7 @@ class StepBench:
             yield
             return
         with self.around():
-            self.probe.adopt(
-                self.runner.model, tensors_of_batch(self.batch)
-            )  # (whole and on the device: effects undone)
+            self.probe.adopt(self.runner.model, batch_tensors(self.batch))  # (whole and on the device: effects undone)
             try:
                 yield
             finally:
@@ -247,10 +244,6 @@ def two_micro_batches(batch: Any, plan: Plan, size: int) -> Any:
     """
     micro = plan.effective_micro_batch_size(size)
     return first_samples(batch, 2 * micro) if 2 * micro < size else batch
-
-
-def tensors_of_batch(batch: Any) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor)]
 
 
 def close(*benches: StepBench) -> None:

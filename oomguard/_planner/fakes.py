@@ -20,7 +20,6 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_map
 
 from oomguard._backends.dispatch import plain_tensors
 from oomguard._backends.memory import MemoryBackend
@@ -36,6 +35,7 @@ from oomguard._planner.engine import Residue, ShallowModel, dry_run
 from oomguard._planner.isolation import Kept, leftovers
 from oomguard._planner.report import CUDA_CONTEXT_BYTES, Candidate, PlanReport, Target
 from oomguard._planner.speed import DeviceSpeed
+from oomguard._step.batch import map_tensors
 
 __all__ = ["MAX_SECONDS", "memory_was_short", "planning_capacity", "preplan"]
 
@@ -330,7 +330,7 @@ def _faked(
             return fakes[id(tensor)]
 
         with _swapped(model, fake):
-            fake_batch = tree_map(lambda leaf: fake(leaf) if isinstance(leaf, torch.Tensor) else leaf, batch)
+            fake_batch = map_tensors(fake, batch)  # (a BatchEncoding's too: a leaf to torch's pytree)
             yield _rebuilt(optimizer, fake, cuda=cuda), fake_batch
 
 

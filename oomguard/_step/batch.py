@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_map
 
 from oomguard._errors import BatchSplitError
 
@@ -23,10 +24,12 @@ __all__ = [
     "batch_bucket",
     "batch_leaves",
     "batch_size",
+    "batch_tensors",
     "count_items",
     "default_item_counter",
     "first_samples",
     "items_per_sample",
+    "map_tensors",
     "split_batch",
     "warn_if_batch_statistics",
 ]
@@ -164,6 +167,57 @@ def _rebuild(template: Any, values: Sequence[Any]) -> Any:
     raise AssertionError("unreachable: only sequences are rebuilt here")
 
 
+def _remade(template: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
+    """A mapping of the same type as ``template`` holding ``values``; a plain dict where that type cannot be built
+    from a dict."""
+    if type(template) is dict:
+        return values
+    try:
+        mapping_type: Any = type(template)
+        return mapping_type(values)
+    except TypeError:
+        return values
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], batch: B) -> B:
+    """``batch`` with every tensor ``t`` in it (0-d ones included) replaced by ``fn(t)``, walked as the guard walks
+    batches: where torch's pytree goes (dicts, lists, tuples, named tuples, the types registered with it), and into
+    the mappings, lists and tuples it takes for leaves, which :func:`split_batch` splits as it splits a dict or a
+    list (a tokenizer's ``BatchEncoding``, a ``UserDict``, a subclass of list). Those keep their types where they
+    can be rebuilt (see :func:`split_batch`); a container with no tensor inside is given back as it is.
+
+    >>> from collections import UserDict
+    >>> made = map_tensors(torch.zeros_like, {"inputs": UserDict({"ids": torch.ones(2)}), "tag": "t"})
+    >>> type(made["inputs"]).__name__, made["inputs"]["ids"].tolist(), made["tag"]
+    ('UserDict', [0.0, 0.0], 't')
+    """
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return fn(value)
+        if not isinstance(value, (Mapping, list, tuple)) or not batch_tensors(value):
+            return value
+        if isinstance(value, Mapping):  # (torch's pytree takes it for a leaf: it walks dict and its own types only)
+            return _remade(value, {key: map_tensors(fn, item) for key, item in value.items()})
+        return _rebuild(value, [map_tensors(fn, item) for item in value])  # (a subclass of list, or of tuple)
+
+    mapped: B = tree_map(leaf, batch)
+    return mapped
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in ``batch`` (0-d ones included), found as :func:`map_tensors` finds them."""
+    found: list[torch.Tensor] = []
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif isinstance(leaf, Mapping):
+            found += batch_tensors(list(leaf.values()))
+        elif isinstance(leaf, (list, tuple)):
+            found += batch_tensors(list(leaf))
+    return found
+
+
 def _split(batch: Any, bounds: Sequence[tuple[int, int]], size: int) -> list[Any]:
     if isinstance(batch, torch.Tensor):
         if batch.dim() == 0:
@@ -171,14 +225,7 @@ def _split(batch: Any, bounds: Sequence[tuple[int, int]], size: int) -> list[Any
         return [batch[start:stop] for start, stop in bounds]  # views: splitting allocates nothing
     if isinstance(batch, Mapping):
         columns = {key: _split(value, bounds, size) for key, value in batch.items()}
-        parts = [{key: column[i] for key, column in columns.items()} for i in range(len(bounds))]
-        if type(batch) is dict:
-            return parts
-        try:
-            mapping_type: Any = type(batch)
-            return [mapping_type(part) for part in parts]
-        except TypeError:  # a mapping type that cannot be built from a dict: fall back to plain dicts
-            return parts
+        return [_remade(batch, {key: column[i] for key, column in columns.items()}) for i in range(len(bounds))]
     if isinstance(batch, (list, tuple)):
         if _is_per_sample(batch, size):  # one entry per sample: each micro-batch gets its own entries
             return [_rebuild(batch, batch[start:stop]) for start, stop in bounds]

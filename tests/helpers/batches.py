@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import UserDict
+from typing import Any
+
 import torch
 
 from helpers.models import VOCAB
@@ -27,3 +30,16 @@ def ragged_lm_batch(lengths: list[int], seq_len: int = 12, seed: int = 2) -> dic
 def lm_batch(n: int, length: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(0))
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+#: Mapping batches torch's pytree takes for leaves (it walks plain dicts only): a tokenizer's output, a UserDict.
+MAPPING_LEAVES = ("BatchEncoding", "UserDict")
+
+
+def as_mapping_leaf(kind: str, batch: dict[str, torch.Tensor]) -> Any:
+    """``batch`` as one of :data:`MAPPING_LEAVES`."""
+    if kind == "BatchEncoding":
+        from transformers.tokenization_utils_base import BatchEncoding
+
+        return BatchEncoding(batch)
+    return UserDict(batch)
