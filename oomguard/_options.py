@@ -33,7 +33,7 @@ from oomguard._ladder.rungs import Rung, RungContext
 from oomguard._step.batch import batch_bucket, default_item_counter
 from oomguard._step.runner import Reduction, StepRunner
 
-__all__ = ["GuardOptions", "build_runner", "model_context", "takes_options"]
+__all__ = ["GuardOptions", "build_runner", "check_accelerator", "model_context", "takes_options"]
 
 P = ParamSpec("P")
 S = TypeVar("S")
@@ -107,6 +107,7 @@ class GuardOptions:
         _check_optional_positive_int("tune_after", self.tune_after)
         _check_optional_positive_int("log_every", self.log_every)
         _check_distinct_files(self.log_file, self.state_file)
+        check_accelerator(self.accelerator)
         object.__setattr__(self, "rungs", resolve_ladder(self.ladder))
         object.__setattr__(self, "host_bytes", _host_bytes(self.host_memory))
 
@@ -140,6 +141,27 @@ def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
             f"the optimizer holds {foreign} parameter(s) that are not the model's: build it over "
             f"model.parameters() (the guard drops and recomputes the model's gradients on every retry)"
         )
+
+
+def check_accelerator(accelerator: Any) -> None:
+    """Refuse Accelerate's own gradient accumulation (at construction, and at each call: it can be switched on later).
+    Its ``backward`` divides every loss by ``gradient_accumulation_steps``, and inside ``accumulate()`` its optimizer
+    wrapper skips the step and ``zero_grad`` of every call but the last: a guarded call would claim a step it did not
+    commit, and its retry would drop the gradients the calls before it accumulated. The guard accumulates itself."""
+    if accelerator is None:
+        return
+    steps = getattr(accelerator, "gradient_accumulation_steps", 1)
+    if steps == 1:  # (then accumulate() syncs at every call)
+        return
+    raise GuardConfigError(
+        f"Accelerate's own gradient accumulation (gradient_accumulation_steps={steps}, accelerator.accumulate()) "
+        f"cannot run under the guard: a guarded call is one whole optimizer step, and a retry of one micro-batch of "
+        f"Accelerate's would drop or double what the calls before it accumulated. Let the guard accumulate: "
+        f"Accelerator(gradient_accumulation_steps=1), no `with accelerator.accumulate(model):`, and give each "
+        f"guarded call the whole effective batch ({steps} of your batches together); it splits that batch into "
+        f"micro-batches, with exact accumulation, only when memory requires it (guard.plan = "
+        f"Plan(micro_batch_size=...) fixes the split)"
+    )
 
 
 def _check_optional_positive_int(name: str, value: int | None) -> None:

@@ -108,6 +108,39 @@ def test_accelerate_backward_is_used_and_training_matches_a_plain_loop() -> None
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
+def test_accelerates_own_gradient_accumulation_is_refused_naming_the_guards_own() -> None:
+    """``Accelerator(gradient_accumulation_steps=2)`` with ``accelerator.accumulate(model)``, as Accelerate's docs
+    teach: before, every call returned a committed step while AdamW stepped every other call, on the last micro-batch's
+    half-scaled gradient alone (the guard's zero_grad dropped the one before). Now refused before anything runs, at
+    construction and at a call (the accumulation switched on after the guard was made), naming the fix."""
+    from accelerate import Accelerator
+    from accelerate.state import GradientState
+
+    try:
+        refused_at_construction_and_at_a_call(Accelerator(cpu=True, gradient_accumulation_steps=2))
+    finally:  # (Accelerate keeps its accumulation in a state every Accelerator of the process shares)
+        GradientState._reset_state()
+
+
+def refused_at_construction_and_at_a_call(accelerator: Any) -> None:
+    model = make_mlp(width=64)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    with pytest.raises(
+        GuardConfigError, match=r"gradient_accumulation_steps=2.*Accelerator\(gradient_accumulation_steps=1\)"
+    ):
+        oom_guard(mse_step(model), model=model, optimizer=optimizer, accelerator=accelerator)
+    accelerator.gradient_accumulation_steps = 1
+    step = oom_guard(mse_step(model), model=model, optimizer=optimizer, accelerator=accelerator)
+    accelerator.gradient_accumulation_steps = 2
+    before = [p.detach().clone() for p in model.parameters()]
+    with SimulatedGPU("1GiB") as gpu, accelerator.accumulate(model):
+        gpu.adopt(model)
+        with pytest.raises(GuardConfigError, match="whole effective batch"):
+            step(tuple_batch(n=8))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is None for p in model.parameters()) and not optimizer.state
+
+
 def test_the_jump_plans_a_job_accelerate_prepared(caplog: pytest.LogCaptureFixture) -> None:
     """Before: the dry run rebuilt Accelerate's optimizer wrapper over the fakes (it takes an optimizer, not
     parameter groups) and failed: the guard walked the ladder instead."""

@@ -36,7 +36,7 @@ from oomguard._guard.recovery import Bounds, held_back_event, relax_event
 from oomguard._guard.results import GuardSummary, StepResult
 from oomguard._guard.tally import Tally
 from oomguard._ladder.plan import Phase, Plan
-from oomguard._options import GuardOptions, build_runner, model_context, takes_options
+from oomguard._options import GuardOptions, build_runner, check_accelerator, model_context, takes_options
 from oomguard._step.batch import batch_size, items_per_sample
 from oomguard._step.outcome import AttemptFailure, AttemptOutput
 from oomguard._step.runner import Reduction
@@ -237,6 +237,7 @@ class OOMGuard:
         self, batch: Any, *, step: bool, reduction: Reduction | None, rewind: Callable[[], None] | None
     ) -> StepResult:
         size = batch_size(batch)  # raises BatchSplitError for a batch that could never be split
+        check_accelerator(self.options.accelerator)  # (its accumulation may have been switched on since)
         backend = current_backend(self._device)
         self._start(backend, batch, size)
         per_sample = items_per_sample(batch, size)
