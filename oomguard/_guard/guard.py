@@ -26,7 +26,7 @@ from oomguard._errors import GuardConfigError
 from oomguard._events import Event, JsonlSink, ProgressEvent, StateFileEvent
 from oomguard._guard.attempts import OneCallAtATime, ReplayFailed, Run, Tail, agreed, in_replay, undoable
 from oomguard._guard.buckets import Buckets, Choice, weakly
-from oomguard._guard.call import Call
+from oomguard._guard.call import Call, RandomState
 from oomguard._guard.emitter import Emitter
 from oomguard._guard.foresight import Foresight
 from oomguard._guard.loop import Loop
@@ -53,6 +53,7 @@ class _Last(NamedTuple):
     size: int
     items_per_sample: float
     step: int
+    random: RandomState  # the generators as it began: a replay of its batch draws what it drew
 
 
 class _Replay(NamedTuple):
@@ -206,7 +207,7 @@ class OOMGuard:
                 with self._loop.committing():
                     return part(self._last_plan)
             choice = Choice(last.bucket, self._last_plan)
-            call = self._loop.call(None, last.size, backend, choice, last.items_per_sample, last.step)
+            call = self._loop.call(None, last.size, backend, choice, last.items_per_sample, last.step, last.random)
             tail = Tail(self._last_plan, part, functools.partial(self._replayed, call, replay), phase, agreement)
             return self._loop.run(call, tail, self._tail_done)
 
@@ -309,7 +310,7 @@ class OOMGuard:
         self._learn(call, output)
         result = self._result(call, output)
         self._last_plan = plan
-        self._last = _Last(choice.bucket, call.size, call.items_per_sample, call.step)
+        self._last = _Last(choice.bucket, call.size, call.items_per_sample, call.step, call.random)
         self._buckets.succeeded(choice, plan)
         if choice.relaxing and plan == choice.plan:
             self._emit(relax_event(call, "held", self._buckets.next_try_after(choice.bucket)))

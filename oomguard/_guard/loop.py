@@ -26,7 +26,7 @@ from oomguard._effects.interrupts import Interrupts
 from oomguard._errors import HostMemoryError, LadderExhausted, OOMGuardError, RecoveryLimitExceeded
 from oomguard._events import Event, ExhaustedEvent, FailureSummary, FallbackEvent, OOMEvent, RecoveredEvent
 from oomguard._guard.buckets import Buckets, Choice
-from oomguard._guard.call import Call
+from oomguard._guard.call import Call, RandomState
 from oomguard._guard.policies import Move, Policy
 from oomguard._guard.recovery import (
     Bounds,
@@ -92,10 +92,19 @@ class Loop:
         self.host_estimate: Callable[[Plan, int], int] = lambda plan, size: 0
 
     # -- the record of a call ---------------------------------------------------------------------------
-    @staticmethod
-    def call(batch: Any, size: int, backend: MemoryBackend, choice: Choice, per_sample: float, step: int) -> Call:
-        """The record of a new call on ``choice``'s plan."""
-        return Call(batch, size, backend, choice, choice.plan, per_sample, step)
+    def call(
+        self,
+        batch: Any,
+        size: int,
+        backend: MemoryBackend,
+        choice: Choice,
+        per_sample: float,
+        step: int,
+        random: RandomState | None = None,
+    ) -> Call:
+        """The record of a new call on ``choice``'s plan (``random``: the generators to retry from; default: now)."""
+        random = RandomState(self.device) if random is None else random
+        return Call(batch, size, backend, choice, choice.plan, per_sample, step, random)
 
     # -- the loop ---------------------------------------------------------------------------------------
     def run(
@@ -125,7 +134,8 @@ class Loop:
             freed = self._free_and_record(call, failure)
             try:
                 call.plan = self._next_plan(call, failure, attempt.agreement, freed)
-            finally:  # (giving up too: the call commits nothing, the caller's records included)
+            finally:  # (giving up too: the call commits nothing, the caller's records and the generators included)
+                call.random.restore()  # (the retry draws what the failed attempt drew: see RandomState)
                 if rewind is not None:
                     rewind()
 
