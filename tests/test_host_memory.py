@@ -22,8 +22,7 @@ from oomguard._backends.memory import CpuMemory, CudaMemory, MemorySnapshot, sna
 from oomguard._backends.units import GiB, format_bytes
 from oomguard._cli.main import main
 from oomguard._detect import is_device_oom, is_host_oom
-from oomguard._distributed.agreement import _OUTCOMES as OUTCOMES
-from oomguard._distributed.peers import PeerFailure, failure_outcome, peer_failure
+from oomguard._distributed.peers import OUTCOMES, PeerFailure, failure_outcome, peer_failure
 from oomguard._effects.activation_host import ActivationLedger
 from oomguard._events import JsonlSink, ProgressEvent
 from oomguard._ladder.plan import Phase
