@@ -95,8 +95,10 @@ def oom_guard(fn: Callable[[Any], Any] | None = None, /, **options: Any) -> Any:
             ignored with one warning; a file that cannot be written never fails a call (a ``state_file`` event
             says so and the save is retried). Several jobs may share one file; it keeps the most recent plans.
             It must not be the ``log_file``.
-        relax_after: after this many consecutive clean steps on a degraded plan, try the plan one rung up once;
-            if it runs out of memory, go back and wait twice as long before the next try. ``None``: never.
+        relax_after: after this many consecutive clean steps on a degraded plan, try a plan further up once (with
+            ``predictive``, the one the dry-run planner predicts fits and runs fastest for the memory free now,
+            if faster than the plan; else the plan one rung up); if it runs out of memory, or no plan is predicted
+            faster, go back and wait twice as long before the next try. ``None``: never.
         tune_after: once a batch bucket has run this many clean steps on the plan it fell back to after an OOM,
             search every fitting combination of the rungs on fake tensors, time the few the device model (measured
             on this device) ranks fastest on the next real steps (each a whole training step; a few warm one up
@@ -106,7 +108,8 @@ def oom_guard(fn: Callable[[Any], Any] | None = None, /, **options: Any) -> Any:
         predictive: size micro-batches from the measured peaks of successful steps instead of halving blindly;
             and on the first OOM of a batch bucket that never fitted, run the dry-run planner on that batch and
             jump straight to the plan it predicts fits (one ``fallback`` event naming every rung the jump
-            engaged), instead of trying the ladder rung by rung. Not under torch.distributed.
+            engaged), instead of trying the ladder rung by rung; and plan each step back up (``relax_after``).
+            Not under torch.distributed.
         bucket: maps a batch to its bucket (plans are kept per bucket); default: its largest tensor's element
             count rounded up to a power of two, so a rare long batch escalates only its own bucket.
         log_every: write a ``progress`` event (loss, plan, peak, steps per rung) for each of the first this

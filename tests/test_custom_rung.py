@@ -70,9 +70,11 @@ def test_a_custom_rung_is_escalated_to_named_everywhere_and_given_back(
 ) -> None:
     model = make_mlp()
     log, state = tmp_path / "events.jsonl", tmp_path / "plans.json"
+    # (predictive=False: the ladder's own step back up; the planner's, a dry run on fake tensors, would apply the
+    # toy's effect too, which APPLIED records: tests/test_unattended.py has the planned one)
     guard = OOMGuard(
         mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), ladder=[Toy()],
-        log_file=log, state_file=state, relax_after=1, log_every=1,
+        log_file=log, state_file=state, relax_after=1, log_every=1, predictive=False,
     )  # fmt: skip
     batches = [tuple_batch(seed=seed) for seed in range(3)]
     with SimulatedGPU("64MiB") as gpu:
@@ -101,6 +103,22 @@ def test_a_custom_rung_is_escalated_to_named_everywhere_and_given_back(
     assert "| none | 0 | 1 |" in table
     saved = json.loads(state.read_text())["plans"]
     assert [entry["plan"].get("extras") for entry in saved.values()] == [None], "saved, then given back"
+
+
+def test_the_planned_step_back_up_gives_back_a_rung_the_time_model_sees_no_cost_in() -> None:
+    """The planner's step up (issue 45, finding 12) tries a plan predicted faster; the toy costs no predicted time,
+    so the plain plan ties with it: one rung less deep, it is ahead all the same."""
+    model = make_mlp()
+    guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     ladder=[Toy()], relax_after=1)  # fmt: skip
+    batches = [tuple_batch(seed=seed) for seed in range(3)]
+    with SimulatedGPU("64MiB") as gpu:
+        gpu.adopt(model)
+        gpu.fail_allocation(1)  # the first attempt runs out of memory: the toy engages
+        results = [guard(batch) for batch in batches]
+    assert [r.rungs for r in results] == [("toy",), ("toy",), ()]
+    (relax,) = [e for e in guard.events if e.kind == "relax"]
+    assert (relax.rung, relax.outcome) == ("toy", "held")  # type: ignore[attr-defined]
 
 
 def test_a_remembered_custom_rung_is_restored_from_the_state_file(tmp_path: Path) -> None:
@@ -180,12 +198,14 @@ def test_an_effect_that_is_not_an_effect_is_refused_with_the_fix() -> None:
 
 @pytest.mark.parametrize(
     ("ladder", "micro_batch_size"),
-    [([MicroBatch(min_size=2), "amp"], 2), (["amp"], 8)],
+    [([MicroBatch(min_size=2), "amp"], 8), (["amp"], 8)],
     ids=["micro-batches of at least 2", "no micro-batch rung"],
 )
 def test_giving_a_rung_back_keeps_the_micro_batches_the_ladder_allows(ladder: list[Any], micro_batch_size: int) -> None:
     """Found in review: relaxing a deeper rung went back to micro-batches of 1 whatever the ladder allowed
-    (MicroBatch(min_size=k) was ignored, and a ladder without micro_batch started splitting the batch)."""
+    (MicroBatch(min_size=k) was ignored, and a ladder without micro_batch started splitting the batch). Since
+    issue 45 (finding 12) a rung is given back at the plan's own micro-batches (here the whole batch), never at
+    smaller ones: a step back up never runs slower."""
     model = make_mlp()
     guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                      ladder=ladder, relax_after=1, predictive=False)  # fmt: skip
@@ -362,8 +382,10 @@ def test_a_new_built_in_rung_is_one_module_and_one_registration_line(
     assert resolve_ladder(None).names[1:4] == ("micro_batch", "pinned_hook", "amp"), "placed after micro_batch"
     model = make_mlp()
     log, state = tmp_path / "events.jsonl", tmp_path / "plans.json"
+    # (predictive=False: the ladder's own step back up; the planner's dry run would run the hook on fakes, into SEEN)
     guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                     log_file=log, state_file=state, relax_after=1, log_every=1, tune_after=None)  # fmt: skip
+                     log_file=log, state_file=state, relax_after=1, log_every=1, tune_after=None,
+                     predictive=False)  # fmt: skip
     batches = [tuple_batch(n=1, seed=seed) for seed in range(3)]  # one sample: micro-batching has nothing to give
     with SimulatedGPU("64MiB") as gpu:
         gpu.adopt(model)

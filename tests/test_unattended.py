@@ -3,6 +3,8 @@ state file, predictive sizing, telemetry that degrades quietly, and the bounds o
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 import logging
 import math
@@ -25,6 +27,8 @@ from helpers.steps import mse_step
 from oomguard import OOMGuard, Plan, RecoveryLimitExceeded, StepResult
 from oomguard._backends.telemetry import fragmentation, nvml_snapshot
 from oomguard._guard.persist import PlanStore, model_fingerprint
+from oomguard._ladder.ladder import resolve_ladder
+from oomguard._planner.fakes import preplan
 from oomguard._step.batch import batch_bucket
 from oomguard.testing import SimulatedGPU
 
@@ -250,6 +254,82 @@ def test_a_failed_try_falls_back_in_the_same_call_and_the_next_try_waits_twice_a
     assert guard.summary().relaxations == (0, 3)
     assert guard.plans == {batch_bucket(tuple_batch(n=N)): degraded.plan}
     assert hog.numel() == HOG_FLOATS  # still held
+
+
+def test_the_ladders_step_back_up_never_runs_more_micro_batches_or_any_rung_deeper() -> None:
+    """Issue 45, finding 12: giving a rung back went to micro-batches of 1 (as the ladder had it before the rung
+    engaged), from the whole batch with checkpointing: a step "up" that runs slower, grown back in the next period,
+    then the next rung given back at micro-batches of 1 again. Each step up is now lighter in every rung."""
+    ladder, size = resolve_ladder(None), 16
+    deep = Plan(micro_batch_size=4, precision="bf16", checkpointing="full", activation_offload=True)
+    plan: Plan | None = deep.with_level("chunked_loss", 1)
+    chain = []
+    while plan is not None:
+        chain.append(plan)
+        relaxed = ladder.relax(plan, size)
+        plan = None if relaxed is None else relaxed[1]
+    assert chain[-1] == Plan() and len(chain) == 8, [p.describe(size) for p in chain]
+    for before, after in itertools.pairwise(chain):  # (a level is larger the deeper; the micro-batch's, negated)
+        pairs = zip(ladder.levels(after, size), ladder.levels(before, size), strict=True)
+        assert all(up <= down for up, down in pairs), f"{before.describe(size)} -> {after.describe(size)}"
+
+
+# A tiny Llama whose first call runs out of memory beside another tenant's memory, so that the planner's jump
+# settles it deep (micro-batches, checkpointing, activations offloaded); after FREED calls the tenant frees its
+# memory, and the device is 1.3x the plain step's peak (issue 45, finding 12).
+FREED, STEP_UP_AFTER = 1, 5
+
+
+def peak_of_plain_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    model = copy.deepcopy(model)
+    optimizer = adamw(model)
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        for _ in range(2):  # the second step has Adam's state resident
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return gpu.max_memory_allocated()
+
+
+def test_stepping_back_up_after_another_tenant_frees_its_memory_is_planned_and_only_ever_faster() -> None:
+    """Issue 45, finding 12: after the memory freed, the guard went from the whole batch with checkpointing and
+    activations offloaded to micro-batches of 1 and back, a rung each two periods, and after 35 calls still ran
+    micro-batches. Now each step up goes where the planner predicts it fits and runs faster: every plan after the
+    memory freed is predicted faster than the one before, and the plain plan comes within 3 periods, without an
+    OOM."""
+    model = make_llama(layers=2, hidden=32)
+    capacity = peak_of_plain_step(model, lm_batch(32, 0, n=16)) * 13 // 10
+    # (no tuning: the plans after the memory freed are the step ups' alone)
+    guard = OOMGuard(lambda b: model(**b), model=model, optimizer=adamw(model), relax_after=STEP_UP_AFTER,
+                     tune_after=None)  # fmt: skip
+    gpu = SimulatedGPU(capacity)
+    gpu.adopt(model)
+    with gpu:
+        tenant = torch.empty((capacity - gpu.memory_allocated()) * 7 // 10 // 4)
+    bound = FREED + 3 * (STEP_UP_AFTER + 1)  # the call by which the plain plan must have come
+    results: list[StepResult] = []
+    while len(results) <= bound and [r.plan for r in results[-2:]] != [Plan(), Plan()]:
+        if len(results) == FREED:
+            del tenant
+        with gpu:
+            results.append(guard(lm_batch(32, len(results), n=16)))
+    settled = results[0]
+    assert settled.ooms == 1 and {"checkpointing", "micro_batch"} <= set(settled.rungs), settled.plan.describe(16)
+    after = results[FREED:]
+    assert [r.ooms for r in after] == [0] * len(after), "no step up ran out of memory"
+    plans = [plan for plan, _ in itertools.groupby(r.plan for r in after)]
+    assert len(set(plans)) == len(plans), "no plan left was come back to"
+    with gpu:  # (the planner's time model, the one the guard's jump ranks plans by)
+        batch, effects = lm_batch(32, 0, n=16), guard.effects  # (the guard's effects step aside while it plans)
+        report = preplan(lambda b: model(**b), batch, guard.options, gpu, bf16=True, plans=plans, effects=effects)
+    assert report is not None and [c.plan for c in report.candidates] == plans
+    predicted = [c.predicted_seconds for c in report.candidates]
+    described = [(p.describe(16), round(s, 6)) for p, s in zip(plans, predicted, strict=True)]
+    assert all(b < a for a, b in itertools.pairwise(predicted)), f"a step up predicted slower: {described}"
+    assert plans[-1] == Plan(), f"not the plain plan by call {bound}: {described}"
+    steps_up = [e for e in guard.events if e.kind == "relax"]
+    assert [e.outcome for e in steps_up] == ["held"] * (len(plans) - 1)  # type: ignore[attr-defined]
 
 
 # -- 4. a corrupt state file is survived -----------------------------------------------------------------------

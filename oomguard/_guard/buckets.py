@@ -5,9 +5,10 @@
   whole. A bucket seen for the first time starts from the plan of the nearest smaller bucket (it needs at least
   as much), resized by the peak model when it has data.
 * **Stepping back up.** After ``relax_after`` consecutive clean steps on a degraded plan, the next call tries
-  the plan one rung up (:meth:`~oomguard._ladder.ladder.Ladder.relax`) once. If it fits, it is kept; if it runs
-  out of memory, the same call falls back to the plan that worked and the wait before the next try doubles, so
-  the guard never thrashes. Memory freed by another process is reclaimed this way.
+  the plan one rung up (:meth:`~oomguard._ladder.ladder.Ladder.relax`) once, or, where the guard can plan, the plan
+  the planner puts ahead of it (:mod:`oomguard._guard.stepup`). If it fits, it is kept; if it runs out of memory,
+  the same call falls back to the plan that worked and the wait before the next try doubles, so the guard never
+  thrashes. Memory freed by another process is reclaimed this way.
 * **Predictive sizing** (:class:`~oomguard._ladder.predict.PeakModel`): micro-batch sizes come from measured peaks
   where there are any, instead of halving or doubling blindly.
 * **Persistence** (:class:`~oomguard._guard.persist.PlanStore`): every change is written to the state file. A
@@ -182,7 +183,7 @@ class Buckets:
         rung, lighter = relaxed
         lighter = self._sized(lighter, size, sizing, grow=True)
         if context is not None and self.ladder.past_host(lighter, context):
-            state.clean, state.wait = 0, max(1, 2 * state.wait)  # (not every call: a later estimate may differ)
+            self.wait_longer(bucket)  # (not every call: a later estimate may differ)
             return Choice(bucket, state.plan, held_back=(rung.name, lighter, self.ladder.host_bytes(lighter, context)))
         return Choice(bucket, lighter, fallback=state.plan, given_back=rung.name)
 
@@ -269,6 +270,12 @@ class Buckets:
         if choice.fallback is None:
             raise ValueError("relax_failed() takes the choice of a try at stepping back up")
         return choice.fallback
+
+    def wait_longer(self, bucket: int) -> None:
+        """A step back up that was due is not tried (the host has no room for it, or the planner predicts no plan
+        ahead of the bucket's: :mod:`oomguard._guard.stepup`): wait twice as long, as after a try that failed."""
+        state = self._buckets[bucket]
+        state.clean, state.wait = 0, max(1, 2 * state.wait)
 
     def next_try_after(self, bucket: int) -> int:
         """Clean steps the bucket still waits before trying to step back up."""

@@ -34,6 +34,7 @@ from oomguard._guard.persist import UNSAVED_ADVICE, PlanStore, model_fingerprint
 from oomguard._guard.policies import Escalation, FailedStepUp, FailedTrial, Jump, Policy, Walk
 from oomguard._guard.recovery import Bounds, held_back_event, relax_event
 from oomguard._guard.results import GuardSummary, StepResult
+from oomguard._guard.stepup import StepUp
 from oomguard._guard.tally import Tally
 from oomguard._ladder.plan import Phase, Plan
 from oomguard._options import GuardOptions, build_runner, check_accelerator, model_context, takes_options
@@ -90,6 +91,7 @@ class OOMGuard:
         self._foresight = Foresight(
             step_fn, self.options, self._buckets, self.effects, self._context.bf16_supported, self._device
         )
+        self._step_up = StepUp(self._foresight, self._buckets)
         bounds = Bounds(self.options.max_attempts, self.options.max_recovery_seconds)
         self._tally = Tally()
         self._emit = Emitter([self._tally, *self.options.sinks])  # (shared with the loop: neither holds the other)
@@ -248,6 +250,7 @@ class OOMGuard:
         if choice.held_back is not None:  # a step back up the host has no room for: not tried, and said
             wait = self._buckets.next_try_after(choice.bucket)
             self._emit(held_back_event(self.steps, choice, size, backend, self._host_budget, wait))
+        choice = self._step_up(choice, batch, size, backend)  # (a step up due: where the planner puts it)
         if step:  # a full step may be a trial of another plan (tuning: the same trials on every rank)
             choice = self._foresight.choose(choice, batch, size, backend)
         if agreement is not None:  # every rank starts the call on the same plan

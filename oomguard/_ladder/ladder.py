@@ -7,9 +7,9 @@ micro-batches would not help). Rungs accumulate: an engaged rung stays on while 
 Micro-batching is the ladder's *sizing* rung: when any other rung engages, the micro-batch size goes back to the
 whole batch, since the memory the rung frees may let larger micro-batches fit again, and halving starts afresh.
 So the plan the guard settles on is the one with the largest micro-batches that fits, not merely the first, and
-going back up
-(:meth:`Ladder.relax`) grows the micro-batches first, then gives back the deepest other rung at the smallest
-micro-batch, as the ladder had it before that rung engaged.
+going back up (:meth:`Ladder.relax`) grows the micro-batches first, then gives back the deepest other rung at the
+micro-batches the plan has: a step back up never runs more micro-batches, or any rung deeper, than the plan it
+leaves (where it can plan, the guard steps up as far as the planner predicts fits: :mod:`oomguard._guard.stepup`).
 """
 
 from __future__ import annotations
@@ -86,14 +86,21 @@ class Ladder:
         ]
 
     def relax(self, plan: Plan, batch_size: int) -> tuple[Rung, Plan] | None:
-        """One step back up: the rung given back and the plan tried just before ``plan``; None for a plain plan.
+        """One step back up: the rung given back and the plan one rung less deep; None for a plain plan.
+
+        Micro-batches grow first; on the whole batch, the deepest other rung is given back there. Not at the
+        smallest micro-batch, where the ladder had it before that rung engaged: that needs the least memory, but
+        micro-batches of 1 without checkpointing run slower than the whole batch with it, and a step back up that
+        runs slower wanders (grow, give back, grow again) instead of reclaiming the memory freed. So no rung is
+        deeper and no micro-batch smaller than in ``plan``; where the guard can plan, it checks the step up by the
+        time model (:mod:`oomguard._guard.stepup`).
 
         >>> ladder = resolve_ladder(None)
         >>> [(rung.name, plan.micro_batch_size) for rung, plan in [ladder.relax(Plan(micro_batch_size=2), 8)]]
         [('micro_batch', 4)]
         >>> rung, plan = ladder.relax(Plan(precision="bf16"), 8)
-        >>> rung.name, plan
-        ('amp', Plan(micro_batch_size=1, precision=None, ...))
+        >>> rung.name, plan == Plan()
+        ('amp', True)
         """
         grown = self._grows.relax(plan, batch_size)
         if grown is not None:
@@ -101,8 +108,7 @@ class Ladder:
         for rung in reversed(self._deeper):
             given = rung.relax(plan, batch_size)
             if given is not None:
-                smallest = None if self.sizing is None else self.sizing.floor(batch_size)
-                return rung, given if smallest is None else given.replace(micro_batch_size=smallest)
+                return rung, given
         return None
 
     def beyond(self, plan: Plan, context: RungContext) -> list[str]:
