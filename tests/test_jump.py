@@ -18,6 +18,7 @@ from helpers.scenarios import SCENARIOS, STEPS, nanogpt, scenario_batches
 from torch.overrides import TorchFunctionMode
 
 from oomguard import oom_guard
+from oomguard._ladder.ladder import resolve_ladder
 from oomguard.testing import SimulatedGPU
 
 transformers = pytest.importorskip("transformers")
@@ -243,3 +244,26 @@ def test_memory_was_short_unless_the_figures_say_the_request_was_below_what_was_
     from oomguard._planner.fakes import memory_was_short
 
     assert memory_was_short(message, torch.device("cpu")) is short
+
+
+#: The default ladder without mixed precision (a job that must keep fp32): the deep budgets' case.
+WITHOUT_AMP = [rung for rung in resolve_ladder(None).names if rung != "amp"]
+
+
+def test_the_jump_finds_a_plan_wherever_a_ladder_of_fewer_rungs_or_the_guards_own_walk_does() -> None:
+    """The planner's walk measured the whole batch with its activations checkpointed and offloaded before splitting
+    it (a small model's candidate), and when the walk came back to that plan rung by rung (after micro-batches of
+    one with full checkpointing ran out in backward) it stopped there: "no plan on the ladder fits", and the guard
+    walked the ladder rung by rung (nanoGPT at 35 % of its plain step's peak: 7 OOMs over 3 steps). The same rungs
+    with micro_batch last, or the guard's own walk, found a plan that fits. Now the jump does, from the first OOM."""
+    model, forward, make = nanogpt()
+    plain, walked, fewer = (copy.deepcopy(model) for _ in range(3))
+    _, peak, _ = _train(plain, forward, make, None, ladder=[])
+    budget = peak * 35 // 100
+    walk, _, walker = _train(walked, forward, make, budget, ladder=WITHOUT_AMP, predictive=False)
+    assert len(walk) == STEPS and walker.summary().ooms > 3, "the guard's own walk finds plans that fit, rung by rung"
+    for job, ladder in ((fewer, ["checkpointing", "activation_offload", "micro_batch"]), (model, WITHOUT_AMP)):
+        results, _, guard = _train(job, forward, make, budget, ladder=ladder)
+        jumped = next(e.to_dict() for e in guard.events if getattr(e, "fake_steps", None))
+        assert "dry-run planner" in jumped["description"], f"{ladder}: the jump planned ({jumped['description']})"
+        assert [r.ooms for r in results] == [1] + [0] * (STEPS - 1), f"{ladder}: {[r.ooms for r in results]}"
