@@ -39,6 +39,7 @@ from oomguard._events import (
     ProgressEvent,
     RecoveredEvent,
     RelaxEvent,
+    RetryEvent,
     StateFileEvent,
     TunedEvent,
 )
@@ -101,6 +102,7 @@ __all__ = [
     "RecoveredEvent",
     "RecoveryLimitExceeded",
     "RelaxEvent",
+    "RetryEvent",
     "Rung",
     "RungContext",
     "StateFileEvent",

@@ -11,17 +11,15 @@ is written as ``null`` and named, by its dotted path, in the event's ``"non_fini
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 from oomguard._backends.memory import MemorySnapshot
 from oomguard._backends.units import format_bytes, requested_bytes
+from oomguard._jsonl import JsonlSink, strict_json
 from oomguard._ladder.plan import Phase
 
 __all__ = [
@@ -36,6 +34,7 @@ __all__ = [
     "ProgressEvent",
     "RecoveredEvent",
     "RelaxEvent",
+    "RetryEvent",
     "StateFileEvent",
     "TunedEvent",
     "host_figures",
@@ -201,6 +200,24 @@ class RecoveredEvent(Event):
 
 
 @dataclass(frozen=True)
+class RetryEvent(Event):
+    """The first out-of-memory error of a call on a plan that had run ``clean_steps`` clean steps for its batch
+    bucket: the guard tries ``plan`` once more before moving down the ladder (an allocator that can fail while the
+    memory it needs is pending, as CUDA's caching allocator can: pytorch#189504). ``wasted``: such tries so far that
+    ran out of memory again."""
+
+    kind: ClassVar[str] = "retry"
+    clean_steps: int
+    wasted: int
+
+    def describe(self) -> str:
+        return (
+            f"step {self.step}: out of memory on a plan that ran {self.clean_steps} clean step(s): trying it once "
+            f"more before moving down the ladder (an allocator can fail while the memory it needs is pending)"
+        )
+
+
+@dataclass(frozen=True)
 class RelaxEvent(Event):
     """After clean steps the guard tried the cheaper ``plan`` once; ``outcome`` is ``"held"`` or ``"failed"``.
 
@@ -333,52 +350,6 @@ EventSink = Callable[[Event], None]
 def _plain(items: list[tuple[str, Any]]) -> dict[str, Any]:
     """A dict of plain values: a phase as its string."""
     return {key: value.value if isinstance(value, Phase) else value for key, value in items}
-
-
-class JsonlSink:
-    """Appends each event to ``path`` as one JSON object per line (opened per event: events are rare)."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        if self.path.parent and not self.path.parent.exists():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def __call__(self, event: Event) -> None:
-        line = json.dumps(strict_json(event.to_dict()), default=str, sort_keys=False, allow_nan=False)
-        with self.path.open("a", encoding="utf-8") as log:
-            log.write(line + "\n")
-
-
-def strict_json(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` as strict JSON can hold it (no NaN or Infinity): each non-finite number ``null``, and a
-    ``"non_finite"`` entry naming each by its dotted path (``"candidates.0.predicted_seconds": "inf"``)."""
-    replaced: dict[str, str] = {}
-    ready: dict[str, Any] = _finite(data, "", replaced)
-    if replaced:  # null, and a note of what each stood for
-        ready["non_finite"] = replaced
-    return ready
-
-
-def _finite(value: Any, path: str, replaced: dict[str, str]) -> Any:
-    """``value`` with every NaN or infinite float replaced by None, each recorded in ``replaced`` by its dotted
-    path (list items by their index)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        replaced[path] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-        return None
-    if isinstance(value, dict):
-        return {_key(k): _finite(item, _dotted(path, k), replaced) for k, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(item, _dotted(path, i), replaced) for i, item in enumerate(value)]
-    return value
-
-
-def _dotted(path: str, key: Any) -> str:
-    return f"{path}.{key}" if path else str(key)
-
-
-def _key(key: Any) -> Any:
-    """A dict key strict JSON can hold (a non-finite float key becomes its text)."""
-    return str(key) if isinstance(key, float) and not math.isfinite(key) else key
 
 
 _LEVELS = {

@@ -463,3 +463,68 @@ def test_decorator_keeps_the_function_identity() -> None:
     assert isinstance(train_step.guard, OOMGuard)
     assert "whole batch" in repr(train_step)
     gc.collect()
+
+
+def spurious_job(spurious: bool, budget: str = "1GiB") -> tuple[torch.nn.Module, OOMGuard, SimulatedGPU]:
+    model = make_mlp(width=64)
+    guard = OOMGuard(
+        mse_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), tune_after=None
+    )
+    return model, guard, SimulatedGPU(budget, spurious_ooms=spurious)
+
+
+def test_a_one_off_oom_on_a_plan_that_ran_clean_is_tried_again_on_that_plan_where_the_allocator_can_fail_so() -> None:
+    """An allocator that can fail while the memory it needs is pending (CUDA's caching allocator: pytorch#189504)
+    raises an OOM on the plan that ran three clean steps: the same plan once more fits, no rung moves, the step is
+    the one an unguarded loop takes; a ``retry`` event says so and the summary counts it. Where the allocator
+    cannot (the default simulator), the same fault moves down the ladder as before."""
+    model, guard, gpu = spurious_job(True)
+    reference = clone_model(model)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    with gpu:
+        gpu.adopt(model, reference)
+        for seed in range(4):
+            batch = tuple_batch(seed=seed)
+            if seed == 3:
+                gpu.fail_allocation(2)
+            result = guard(batch)
+            mse_step(reference)(batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert result.ooms == 1 and result.plan == Plan(), result.plan
+    assert [e.kind for e in guard.events if e.kind in ("oom", "retry", "fallback", "recovered")] == [
+        "oom",
+        "retry",
+        "recovered",
+    ]
+    assert guard.summary().retries == 1 and "same plan once more" in str(guard.summary())
+    assert same_weights(model, reference)
+
+    model, guard, gpu = spurious_job(False)
+    with gpu:
+        gpu.adopt(model)
+        for seed in range(4):
+            batch = tuple_batch(seed=seed)
+            if seed == 3:
+                gpu.fail_allocation(2)
+            result = guard(batch)
+    assert result.ooms == 1 and result.plan != Plan() and not any(e.kind == "retry" for e in guard.events)
+
+
+def test_the_same_plan_is_tried_once_a_call_and_not_after_three_tries_ran_out_again() -> None:
+    """A real OOM on a plan that ran clean (the device has less memory from now on): one try on it, then the
+    ladder; after three such tries ran out of memory again, none. Five times: a clean step on the plain plan, then
+    a device short of memory."""
+    model, guard, gpu = spurious_job(True)
+    tried = []
+    with gpu:
+        gpu.adopt(model)
+        for seed in range(5):
+            batch = tuple_batch(seed=seed)
+            guard.plan = Plan()  # (every bucket on the plain plan again)
+            gpu.capacity = 1 << 30
+            assert guard(batch).plan == Plan()
+            gpu.capacity = gpu.memory_allocated() + 2048  # (the plain step cannot fit: its activations alone)
+            result = guard(batch)
+            tried.append((sum(e.kind == "retry" for e in guard.events), result.plan == Plan()))
+    assert tried == [(1, False), (2, False), (3, False), (3, False), (3, False)], tried

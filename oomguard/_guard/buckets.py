@@ -108,6 +108,11 @@ class Buckets:
         state = self._buckets.get(bucket)
         return state is not None and state.fitted
 
+    def clean_steps(self, bucket: int, plan: Plan) -> int:
+        """Consecutive clean steps ``bucket`` has run on ``plan`` (0: another plan is its own)."""
+        state = self._buckets.get(bucket)
+        return state.clean if state is not None and state.plan == plan else 0
+
     def plans(self) -> dict[int, Plan]:
         """The current plan of every bucket seen."""
         return {bucket: state.plan for bucket, state in self._buckets.items()}

@@ -31,7 +31,7 @@ from oomguard._guard.emitter import Emitter
 from oomguard._guard.foresight import Foresight
 from oomguard._guard.loop import Loop
 from oomguard._guard.persist import UNSAVED_ADVICE, PlanStore, model_fingerprint
-from oomguard._guard.policies import Escalation, FailedStepUp, FailedTrial, Jump, Policy, Walk
+from oomguard._guard.policies import Escalation, FailedStepUp, FailedTrial, Jump, Policy, SameAgain, Walk
 from oomguard._guard.recovery import Bounds, held_back_event, relax_event
 from oomguard._guard.results import GuardSummary, StepResult
 from oomguard._guard.stepup import StepUp
@@ -98,6 +98,7 @@ class OOMGuard:
         self._escalation = Escalation(self._buckets, self._context, self.effects.target.activation_host)
         walk = Walk(self.ladder, self._escalation)
         policies: list[Policy] = [
+            SameAgain(self._buckets, self._emit),
             FailedTrial(self._foresight),
             FailedStepUp(self._buckets, self._emit),
             Jump(self._foresight, walk),

@@ -1,6 +1,8 @@
 """Which plan a call tries after an out-of-memory error: an ordered list of small policies, the first that
 answers wins.
 
+0. :class:`SameAgain`: the first OOM of a call on a plan that ran clean, where the allocator can fail spuriously:
+   the same plan once more.
 1. :class:`FailedTrial`: a plan timed while tuning does not fit: back to the settled plan (it is dropped).
 2. :class:`FailedStepUp`: a try at stepping back up (a plan one rung less degraded) failed: back to the bucket's
    plan, and wait twice as long before the next try.
@@ -8,7 +10,7 @@ answers wins.
    rungs at once.
 4. :class:`Walk`: one rung down the ladder, the rung that relieves the phase that failed.
 
-None answering means the ladder has nothing left. After host memory (RAM) ran out only the first two are asked:
+None answering means the ladder has nothing left. After host memory (RAM) ran out only the first three are asked:
 they go back to a plan that worked, where the last two would offload more to the host (:attr:`Policy.escalates`).
 Bounds on attempts and time are the loop's business: a policy is told whether one was reached (then the jump does
 not plan, since its answer would not be tried).
@@ -21,10 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from oomguard._backends.memory import MemoryBackend
+from oomguard._backends.memory import CudaMemory, MemoryBackend, snapshot
 from oomguard._backends.units import format_bytes
 from oomguard._effects.activation_host import ActivationLedger
-from oomguard._events import Event
+from oomguard._events import Event, RetryEvent
 from oomguard._guard.buckets import Buckets
 from oomguard._guard.call import Call
 from oomguard._guard.foresight import Foresight
@@ -33,7 +35,7 @@ from oomguard._ladder.ladder import Ladder
 from oomguard._ladder.plan import Plan
 from oomguard._ladder.rungs import RungContext
 
-__all__ = ["Escalation", "FailedStepUp", "FailedTrial", "Jump", "Move", "Policy", "Walk"]
+__all__ = ["Escalation", "FailedStepUp", "FailedTrial", "Jump", "Move", "Policy", "SameAgain", "Walk"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,42 @@ class Policy(Protocol):
         """The next plan for ``call`` after ``failure``, or None where this policy has nothing to say.
         ``distributed``: the attempt's ranks agreed on it; ``bounded``: a bound on attempts or time is reached."""
         ...
+
+
+@dataclass
+class SameAgain:
+    """CUDA's caching allocator can raise an OOM while a block that fits is pending on a stream event (a free made
+    on another stream, as the offload rungs' copies make); the same allocation asked again finds it (pytorch#189504).
+    So where the backend's allocator can (CUDA; a SimulatedGPU made with ``spurious_ooms=True``), the first OOM of a
+    call on its bucket's plan, which ran clean before, tries that plan once more before a rung moves. Bounded: once
+    per call, not under torch.distributed (every rank agreeing on the same plan reads as the ladder being done), and
+    no more once :attr:`limit` such tries ran out of memory again (those OOMs were real)."""
+
+    buckets: Buckets
+    emit: Callable[[Event], None]
+    limit: int = 3
+    wasted: int = 0  # tries that ran out of memory again
+    escalates: ClassVar[bool] = False
+
+    def __call__(self, call: Call, failure: Failure, distributed: bool, bounded: bool) -> Move | None:
+        tried = [plan for plan, _ in call.tried]
+        if tried == [failure.plan, failure.plan]:  # (the try this policy asked for failed: a real OOM)
+            self.wasted += 1
+        choice = call.choice
+        if distributed or bounded or failure.host or len(tried) != 1 or self.wasted >= self.limit:
+            return None
+        if choice.trial or choice.relaxing or failure.plan != choice.plan or not spurious_ooms(call.backend):
+            return None
+        clean = self.buckets.clean_steps(choice.bucket, failure.plan)
+        if clean < 1:
+            return None
+        self.emit(RetryEvent(call.step, failure.plan.to_dict(), snapshot(call.backend), clean, self.wasted))
+        return Move(failure.plan)
+
+
+def spurious_ooms(backend: MemoryBackend) -> bool:
+    """Whether ``backend``'s allocator can fail while the memory it needs is pending (see :class:`SameAgain`)."""
+    return isinstance(backend, CudaMemory) or bool(getattr(backend, "spurious_ooms", False))
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ class GuardSummary:
     relaxations: tuple[int, int] = (0, 0)
     #: Steps run with each rung in effect.
     steps_by_rung: dict[str, int] | None = None
+    #: Out-of-memory errors on a plan that had run clean, tried once more on it before moving down the ladder.
+    retries: int = 0
 
     def __str__(self) -> str:
         if not self.ooms:
@@ -58,6 +60,8 @@ class GuardSummary:
             f"Fallbacks needed: {needed}.",
             f"Current plan: {self.plan.describe()}.",
         ]
+        if self.retries:
+            lines.append(f"Tried the same plan once more after {self.retries} OOM(s) on a plan that had run clean.")
         held, failed = self.relaxations
         if held or failed:
             lines.append(f"Stepped back up {held} time(s); {failed} try(s) at a less degraded plan ran out of memory.")

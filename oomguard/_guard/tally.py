@@ -3,7 +3,8 @@
 A guard feeds its tally every event it emits and every step it completes; the report feeds a tally the events of
 a log (JSON lines), where a step number going backwards means a restarted job appending to the same log. The
 time an out-of-memory error cost is counted against what it led to: the rung that engaged next, a try at a
-less degraded plan that backed off (``"(stepping back up)"``), or giving up on the batch (``"(gave up)"``).
+less degraded plan that backed off (``"(stepping back up)"``), the same plan tried once more (``"(the same plan
+again)"``), or giving up on the batch (``"(gave up)"``).
 
 A log can be damaged (a crash mid-line, a hand edit, another program writing to it): :func:`event_problem` says
 which events a tally cannot count, so a reader can skip them and say so, while the guard's own events go
@@ -111,6 +112,7 @@ class Tally:
     exhausted: int = 0
     relax_held: int = 0
     relax_failed: int = 0
+    retries: int = 0  # OOMs on a plan that ran clean, tried once more on it (see policies.SameAgain)
     #: Fallbacks to each rung.
     engaged: Counter[str] = field(default_factory=Counter)
     #: Seconds lost to out-of-memory errors, by what they led to (a rung, or one of the two cases in brackets).
@@ -174,6 +176,9 @@ class Tally:
         elif kind == "exhausted":
             self.exhausted += 1
             self._lost("(gave up)")
+        elif kind == "retry":
+            self.retries += 1
+            self._lost("(the same plan again)")
         elif kind == "recovered":
             self.recovered += 1
         elif kind == "progress":  # the run's own count so far (a guard's equals what it counted itself)
@@ -215,5 +220,6 @@ class Tally:
             seconds_lost=self.total_seconds_lost,
             plan=plan,
             relaxations=(self.relax_held, self.relax_failed),
+            retries=self.retries,
             steps_by_rung=dict(self.steps_by_rung),
         )

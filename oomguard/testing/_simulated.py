@@ -34,6 +34,9 @@ class SimulatedGPU(AccountedDevice):
         capacity: bytes, or a string such as ``"6GiB"`` or ``"64MiB"``.
         host_capacity: the host memory the guard may allocate, bytes or a string (default None: counted, never
             refused); it is also the guard's host budget (``host_memory=``) while the simulation is active.
+        spurious_ooms: allocate as CUDA's caching allocator can, failing now and then while the memory it needs is
+            pending: the guard then tries the same plan once more after the first OOM of a call on a plan that ran
+            clean, before it moves down the ladder. A fault made by :meth:`fail_allocation` is such a one-off.
 
     >>> import torch
     >>> from oomguard.testing import SimulatedGPU
@@ -47,3 +50,10 @@ class SimulatedGPU(AccountedDevice):
     ...
     torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.8 MiB. ... (simulated by oomguard...)
     """
+
+    def __init__(
+        self, capacity: int | str, *, host_capacity: int | str | None = None, spurious_ooms: bool = False
+    ) -> None:
+        super().__init__(capacity, host_capacity=host_capacity)
+        #: Whether the guard takes an OOM here for one a retry may clear (see ``spurious_ooms``).
+        self.spurious_ooms = spurious_ooms
