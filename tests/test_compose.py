@@ -256,6 +256,45 @@ def test_the_guards_own_model_is_cut_to_fewer_blocks_while_planned_and_whole_aft
     assert len(composed) > 2 and composed == full
 
 
+#: Plans whose effects move state to the host: a shallow copy of the guard's own model undoes them after each step.
+MOVED = [
+    Plan(),
+    Plan(optimizer_offload=True),
+    Plan(precision="bf16", checkpointing="full", optimizer_offload="master"),
+    Plan(offload_layers=3),
+    Plan(micro_batch_size=2, checkpointing="full", activation_offload=True, optimizer_offload=True, offload_layers=1),
+]
+
+
+def test_the_guards_own_model_cut_short_composes_the_figures_of_a_full_step_where_state_moves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shallow copy of the guard's own model undoes the plan's effects after each of its steps, on the probe that
+    measured the step: the optimizer state it brought back to the device was read as the step's peak after the
+    optimizer step, and as its transfers. Plans that offload it composed above their peak (1.45x here; a 14-block
+    MLP stack's all at one figure, 1.2-1.45x theirs, whatever else they did: its jump answered "no plan on the
+    ladder fits", then the guard walked 23-37 OOMs)."""
+
+    def measured(composing: bool) -> list[Candidate]:
+        with monkeypatch.context() as patched:
+            if not composing:
+                patched.setattr(fakes, "_shallow", lambda *args: None)
+            model = make_llama(layers=LAYERS, hidden=256)  # (weights that outweigh a step's activations)
+            guard = OOMGuard(model_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters()))
+            with SimulatedGPU("1GiB") as gpu:
+                gpu.adopt(model)
+                report = fakes.preplan(guard._step_fn, lm_batch(4, 32), guard.options, gpu, bf16=True, plans=MOVED)
+            guard.close()
+        assert report is not None and report.composed is composing
+        return sorted(report.candidates, key=lambda c: MOVED.index(c.plan))
+
+    composed, full = measured(composing=True), measured(composing=False)
+    assert [c.plan for c in composed] == [c.plan for c in full] == MOVED
+    for built, exact in zip(composed, full, strict=True):
+        for figure in ("peak_bytes", "transfer_bytes", "host_bytes", "fits", "phase"):
+            assert getattr(built, figure) == getattr(exact, figure), (exact.plan, figure)
+
+
 def _helped(plans: list[Plan], helper: bool, failing: int | None = None) -> tuple[Any, list[int]]:
     """A composed dry run of a 6-layer Llama (with a helper process or not), and the depths of the shallow models
     built in this process; a shallow model of ``failing`` blocks raises."""

@@ -150,16 +150,20 @@ class StepBench:
             regions = probe.regions(stack(self.runner.effects.target))
             with self.reads.counting(counted), eliding(_repeating(counted)), regions:
                 self.run(batch, plan)
-        run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
-        return Trace(
-            base=base, phases=tuple(probe.phase_peaks.items()), crossed=probe.crossed,
-            host=probe.max_host_memory_allocated(), journal=self.runner.transaction.journal_bytes,
-            transfers=probe.transfers(run, parts), overlapped=probe.overlapped(run, parts),
-            uploaded=self.runner.effects.uploaded_beside,
-            flops=counted.total * parts / run, ops=counted.ops * parts / run,
-            early=self.runner.effects.stepped_early, window=counted.window,
-            hosts=tuple(probe.host_peaks.items()), host_base=probe.host_start,
-        )  # fmt: skip
+            # (read before a shallow copy of the guard's own model undoes the plan's effects, on the same probe: the
+            # optimizer state brought back counted as the step's peak after it, and as its transfers; a 14-block
+            # job's plans that offload it composed at 1.2-1.45x their peak, and its jump found none that fits)
+            run, parts = plan.micro_batches(batch_size(batch)), plan.micro_batches(self.size)
+            traced = Trace(
+                base=base, phases=tuple(probe.phase_peaks.items()), crossed=probe.crossed,
+                host=probe.max_host_memory_allocated(), journal=self.runner.transaction.journal_bytes,
+                transfers=probe.transfers(run, parts), overlapped=probe.overlapped(run, parts),
+                uploaded=self.runner.effects.uploaded_beside,
+                flops=counted.total * parts / run, ops=counted.ops * parts / run,
+                early=self.runner.effects.stepped_early, window=counted.window,
+                hosts=tuple(probe.host_peaks.items()), host_base=probe.host_start,
+            )  # fmt: skip
+        return traced
 
     def judge(self, plan: Plan, trace: Trace) -> Candidate:
         """The candidate ``trace`` makes of ``plan`` on this bench's device and host (added to ``candidates``)."""
