@@ -449,3 +449,23 @@ def test_the_checksums_see_one_changed_element_anywhere_and_a_swap_and_agree_on_
             big[first], big[second] = big[second].clone(), big[first].clone()
             assert prints.changed([big, small], gpu) == [True, False], (first, second)
         assert prints.changed([None, small], gpu) == [True, False], "a tensor not checked counts as changed"
+
+
+def test_applying_the_level_holds_one_bf16_copy_beside_the_fp32_weights_not_all_of_them() -> None:
+    """Halving made every bf16 copy before any parameter let its fp32 weight go: 6 bytes a parameter at once, so a
+    plan the planner found fits ran out of memory as it was applied (a 14-block stack at 35 % of its plain peak: the
+    jump's master-weights plan failed in apply, then 19 more OOMs down the ladder). Now a parameter at a time."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(8)])
+    guard = OOMGuard(mse_step(model), model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    with SimulatedGPU("1GiB") as gpu:
+        gpu.adopt(model)
+        gpu.reset_peak_memory_stats()
+        guard.effects.apply(MASTER, gpu)
+        peak = gpu.max_memory_allocated()
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    one_copy = 256 * 256 * 2
+    assert peak <= weights + one_copy, f"{peak / weights:.2f}x the fp32 weights while halving"
+    guard.close()
+    assert all(p.dtype == torch.float32 for p in model.parameters())

@@ -99,24 +99,32 @@ class MasterWeights:
     # -- halving and restoring ------------------------------------------------------------------------
     def halve(self, params: list[torch.nn.Parameter], backend: MemoryBackend) -> bool:
         """Each of ``params`` (trainable fp32 parameters on the device): its master to the host, a bf16 copy in
-        its place. All or nothing: every device allocation is made before any parameter changes."""
+        its place, a parameter at a time, so that applying the level holds one bf16 copy beside the fp32 weights,
+        not all of them (6 bytes a parameter at once: a plan that fits ran out of memory as it was applied). An
+        OOM part-way leaves the level whole over the parameters halved so far: the next apply halves the rest, or
+        restores them."""
         params = [p for p in params if p not in self._weights]
         if not params:
             return False
-        halves = [p.detach().to(_BF16, memory_format=torch.contiguous_format) for p in params]  # (may run out)
         self._backend = backend
-        for param, half in zip(params, halves, strict=True):
-            weight = _Weight(param, backend.to_host(param.detach()), backend.to_host(half), _layout(half))
-            if param.grad is not None:  # (accumulated so far: kept, as the sum on the host)
-                weight.grad, weight.summed = backend.to_host(param.grad), True
-            param.data, param.grad = half, None
-            self._weights[param] = weight
-        backend.synchronize()  # (the host copies are complete: their checksums are taken on the host)
-        self._prints.record_host([w.image for w in self._weights.values()])
-        if not self._hooks:
-            self._hook()
-        for param in params:  # (the parameter stays while its data is halved: one hook each, removed by restore)
-            self._hooks.append(param.register_post_accumulate_grad_hook(GuardHook(self._grad_ready)))  # type: ignore
+        halved: list[RemovableHandle] = []
+        try:
+            for param in params:
+                half = param.detach().to(_BF16, memory_format=torch.contiguous_format)  # (may run out)
+                weight = _Weight(param, backend.to_host(param.detach()), backend.to_host(half), _layout(half))
+                if param.grad is not None:  # (accumulated so far: kept, as the sum on the host)
+                    weight.grad, weight.summed = backend.to_host(param.grad), True
+                backend.synchronize()  # (the copies have read the fp32 weight: its memory is free for the next)
+                param.data, param.grad = half, None
+                self._weights[param] = weight
+                # (the parameter stays while its data is halved: one hook each, removed by restore)
+                halved.append(param.register_post_accumulate_grad_hook(GuardHook(self._grad_ready)))  # type: ignore
+        finally:
+            if halved:  # (the host copies are complete: their checksums are taken on the host)
+                self._prints.record_host([w.image for w in self._weights.values()])
+                if not self._hooks:
+                    self._hook()
+                self._hooks.extend(halved)
         return True
 
     def restore(self, backend: MemoryBackend) -> None:
