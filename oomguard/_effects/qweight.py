@@ -1,4 +1,5 @@
-"""The ``quantized_weights`` rung's tensor: a frozen weight kept as low-bit codes that is still a valid tensor.
+"""The held weight's tensor: a frozen weight kept as low-bit codes (the ``quantized_weights`` rung) or in half
+precision (the ``amp`` rung) that is still a valid tensor.
 
 :class:`QuantizedWeight` is a wrapper tensor subclass (``torch.Tensor._make_wrapper_subclass``): it has its
 weight's shape, dtype and device and no storage of its own; it holds the weight's
@@ -11,6 +12,8 @@ tensor's memory, which a subclass has none of, reads the dequantized values too:
 a write to it would reach no weight). Views (``t``, ``detach``, ``.data``, slicing) and casts to
 another dtype (autocast's) give back quantized tensors that share the codes: a linear layer's backward saves
 ``weight.t()``, so autograd keeps the 8- or 4-bit codes between forward and backward, not a full-precision copy.
+A weight held in half precision reads as :class:`~oomguard._effects.weight_store.Store` says: a cast to that
+precision (autocast's) reads the held values, exactly; every other read, the exact original.
 
 Writes and copies see the exact original:
 
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -37,8 +39,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from oomguard._backends.dispatch import written
 from oomguard._backends.memory import current_backend
 from oomguard._effects.codec import Codes
+from oomguard._effects.weight_store import Step, Store, replay
 
-__all__ = ["QuantizedWeight", "Store", "exact_originals", "user_attributes"]
+__all__ = ["QuantizedWeight", "exact_originals", "user_attributes"]
 
 _aten = torch.ops.aten
 _ALIASES = {_aten.detach.default, _aten.alias.default}  # the same tensor again (``.data`` is a detach)
@@ -53,96 +56,14 @@ def user_attributes(tensor: torch.Tensor) -> dict[str, Any]:
     return {key: value for key, value in vars(tensor).items() if key not in _INTERNAL}
 
 
-@dataclass(frozen=True, eq=False)
-class _Step:
-    """How a derived tensor is made from the one it came from: a view op (``op`` with its other arguments;
-    ``index``: which of its outputs), or, without ``op``, a cast to ``dtype``."""
-
-    op: torch._ops.OpOverload | None
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    index: int | None = None
-    dtype: torch.dtype | None = None
-
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.op is None:
-            cast_to: torch.Tensor = _aten._to_copy.default(tensor, dtype=self.dtype)
-            return cast_to
-        out = self.op(tensor, *self.args, **self.kwargs)
-        return out if self.index is None else out[self.index]  # type: ignore[no-any-return]
-
-
-def _replay(steps: tuple[_Step, ...], tensor: torch.Tensor) -> torch.Tensor:
-    for step in steps:
-        tensor = step(tensor)
-    return tensor
-
-
-@dataclass(eq=False)
-class Store:
-    """What a quantized tensor and all its views share. A weight's store has its exact original in ``host``;
-    a copy's (a cast, made lazily) has none but knows the weight's store it was made from (``source``: its exact
-    values are the original's, cast), and once written to holds its own values in ``dense``."""
-
-    codes: Codes | None
-    steps: tuple[_Step, ...]  # from the decoded codes to this store's values (a copy's views and cast)
-    host: torch.Tensor | None
-    source: Store | None = None
-    dense: torch.Tensor | None = None
-    #: The rung's effect puts the weight back whole (as a plain parameter) when called with it.
-    give_back: Callable[[torch.Tensor], None] | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return self.dense.device if self.dense is not None else self.codes.codes.device  # type: ignore[union-attr]
-
-    def values(self) -> torch.Tensor:
-        """What computations see: the dequantized weight (or a copy's own values)."""
-        if self.dense is not None:
-            return self.dense
-        return _replay(self.steps, self.codes.decode())  # type: ignore[union-attr]
-
-    def meta(self, steps: tuple[_Step, ...]) -> torch.Tensor:
-        """A meta tensor with the shape, strides and dtype of this store's values after ``steps``."""
-        if self.dense is not None:
-            dense = self.dense
-            return _replay(steps, torch.empty_strided(dense.shape, dense.stride(), dtype=dense.dtype, device="meta"))
-        codes = self.codes
-        return _replay(self.steps + steps, torch.empty(codes.shape, dtype=codes.dtype, device="meta"))  # type: ignore[union-attr]
-
-    def writable(self) -> torch.Tensor:
-        """A dense tensor a write can land in: a device copy of a weight's exact original (see :meth:`commit`),
-        or a copy's own values (made plain for good)."""
-        if self.host is not None:
-            return current_backend(self.device).to_device(self.host)
-        if self.dense is None:
-            self.dense, self.codes = self.values(), None
-        return self.dense
-
-    def commit(self, exact: torch.Tensor) -> None:
-        """After a write to :meth:`writable`'s tensor: a weight's new exact original, kept and quantized again."""
-        if self.host is None:
-            return  # a copy's values were written in place
-        codes = Codes.encode(exact, self.codes.bits)  # type: ignore[union-attr]  # (may run out of memory: unchanged)
-        backend = current_backend(self.device)
-        self.host = backend.to_host(exact, self.host)
-        backend.synchronize()
-        self.codes = codes
-
-    def recode(self, bits: int) -> None:
-        """The weight quantized again to ``bits``, from its exact original."""
-        exact = current_backend(self.device).to_device(self.host)  # type: ignore[arg-type]
-        self.codes = Codes.encode(exact, bits)
-
-
 class QuantizedWeight(torch.Tensor):
     """A tensor whose values are a quantized weight's (or a view or cast of them); see the module docstring."""
 
     _qstore: Store
-    _qsteps: tuple[_Step, ...]
+    _qsteps: tuple[Step, ...]
 
     @staticmethod
-    def __new__(cls, store: Store, steps: tuple[_Step, ...] = (), requires_grad: bool = False) -> QuantizedWeight:
+    def __new__(cls, store: Store, steps: tuple[Step, ...] = (), requires_grad: bool = False) -> QuantizedWeight:
         meta = store.meta(steps)
         made: QuantizedWeight = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls,
@@ -171,12 +92,12 @@ class QuantizedWeight(torch.Tensor):
 
     @property
     def bits(self) -> int:
-        """8 or 4; 0 for a copy that was written to (no codes any more)."""
+        """8 or 4; 16 in half precision; 0 for a copy that was written to (no codes any more)."""
         return 0 if self._qstore.codes is None else self._qstore.codes.bits
 
     def values(self) -> torch.Tensor:
         """A plain tensor with this tensor's values (the dequantized weight, viewed and cast as this one is)."""
-        return _replay(self._qsteps, self._qstore.values())
+        return replay(self._qsteps, self._qstore.values())
 
     def exact(self, on_host: bool = False) -> torch.Tensor:
         """The exact values, from the weight's exact original (in host memory, or a device copy of it); a copy
@@ -187,7 +108,7 @@ class QuantizedWeight(torch.Tensor):
         )
         if weight is None or weight.host is None or store.dense is not None:
             return self.values()
-        return _replay(steps, weight.host if on_host else current_backend(self.device).to_device(weight.host))
+        return replay(steps, weight.host if on_host else current_backend(self.device).to_device(weight.host))
 
     # -- what user code meets --------------------------------------------------------------------------------
     @classmethod
@@ -195,8 +116,8 @@ class QuantizedWeight(torch.Tensor):
         kwargs = kwargs or {}
         if func in _NO_MEMORY:  # (a wrapper's storage is empty: nothing would be exported or shared)
             raise RuntimeError(
-                f"{func.__name__}: a weight that the quantized_weights rung holds in low bits has no memory of its "
-                f"own to export or share; use weight.clone() (its dequantized values), or call guard.close() first"
+                f"{func.__name__}: a weight that {_held_as(args[0])} has no memory of its own to export or share; "
+                f"use weight.clone() (its values), or call guard.close() first"
             )
         if func == _SET_DATA:
             return _set_data(*args)
@@ -215,7 +136,7 @@ class QuantizedWeight(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         if torch.Tag.inplace_view in func.tags:  # resize_, set_, t_, as_strided_: a wrapper's shape is fixed
-            raise RuntimeError(_refusal(func))
+            raise RuntimeError(_refusal(func, args[0]))
         targets = [t for t in written(func, args, kwargs) if isinstance(t, QuantizedWeight)]
         if targets:
             return _write(func, args, kwargs, targets)
@@ -234,10 +155,10 @@ class QuantizedWeight(torch.Tensor):
         if func.is_view and not _quantized_or_tensors((rest, kwargs)):
             shape = func(store.meta(self._qsteps), *rest, **kwargs)
             if isinstance(shape, torch.Tensor):
-                return QuantizedWeight(store, (*self._qsteps, _Step(func, rest, kwargs)))
-            return [QuantizedWeight(store, (*self._qsteps, _Step(func, rest, kwargs, i))) for i in range(len(shape))]
+                return QuantizedWeight(store, (*self._qsteps, Step(func, rest, kwargs)))
+            return [QuantizedWeight(store, (*self._qsteps, Step(func, rest, kwargs, i))) for i in range(len(shape))]
         if func is _aten._to_copy.default and store.codes is not None and _is_cast(self, kwargs):
-            steps = (*store.steps, *self._qsteps, _Step(None, dtype=kwargs["dtype"]))
+            steps = (*store.steps, *self._qsteps, Step(None, dtype=kwargs["dtype"]))
             source = store if store.host is not None else store.source
             return QuantizedWeight(Store(store.codes, steps, None, source))  # (codes never change: a write makes new)
         return None
@@ -277,7 +198,7 @@ class QuantizedWeight(torch.Tensor):
         store, steps = context
         codes = store.codes
         if codes is not None and "_qcodes" in inner:
-            codes = Codes(inner["_qcodes"], inner["_qscales"], inner.get("_qtable"), codes.shape, codes.dtype)
+            codes = Codes(inner["_qcodes"], inner.get("_qscales"), inner.get("_qtable"), codes.shape, codes.dtype)
         return QuantizedWeight(Store(codes, store.steps, store.host, store.source, inner.get("_qdense")), steps)
 
     @property
@@ -285,7 +206,7 @@ class QuantizedWeight(torch.Tensor):
         return self._qstore.codes.codes  # type: ignore[union-attr]
 
     @property
-    def _qscales(self) -> torch.Tensor:
+    def _qscales(self) -> torch.Tensor | None:
         return self._qstore.codes.scales  # type: ignore[union-attr]
 
     @property
@@ -298,12 +219,14 @@ class QuantizedWeight(torch.Tensor):
 
 
 def exact_originals(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
-    """A state-dict hook: ``state_dict()`` (of this module or any above it) gives each quantized parameter's exact
-    original, a host copy (``keep_vars=True`` keeps the parameter itself). A plain function, so that a model
-    deep-copied or pickled with the hook still registered carries no reference to the rung."""
+    """A state-dict hook: ``state_dict()`` (of this module or any above it) gives each held parameter's exact
+    original, a host copy (``keep_vars=True`` keeps the parameter itself); once, however many of the module's
+    parameters registered it. A plain function, so that a model deep-copied or pickled with the hook still
+    registered carries no reference to the rung."""
     for name, param in module._parameters.items():
         key = prefix + name
-        if isinstance(param, QuantizedWeight) and key in state_dict and state_dict[key] is not param:
+        value = state_dict.get(key)
+        if isinstance(param, QuantizedWeight) and isinstance(value, QuantizedWeight) and value is not param:
             state_dict[key] = param.exact(on_host=True).clone()
 
 
@@ -325,8 +248,8 @@ def _set_data(target: QuantizedWeight, value: torch.Tensor) -> None:
         value = value.exact()  # (a wrapper's data would leave the target a tensor without storage)
     if not _give_back(target):
         raise RuntimeError(
-            "a tensor derived from a weight that the quantized_weights rung holds in low bits cannot take .data = "
-            "...: write its values with copy_, or call guard.close() first"
+            f"a tensor derived from a weight that {_held_as(target)} cannot take .data = ...: write its values with "
+            f"copy_, or call guard.close() first"
         )
     _SET_DATA(target, value)
 
@@ -372,7 +295,7 @@ def _write(func: torch._ops.OpOverload, args: Any, kwargs: Any, targets: list[Qu
         store = target._qstore
         if id(store) not in roots:
             roots[id(store)] = (store, store.writable())
-        stand_ins[id(target)] = _replay(target._qsteps, roots[id(store)][1])
+        stand_ins[id(target)] = replay(target._qsteps, roots[id(store)][1])
 
     def dense(leaf: Any) -> Any:
         if isinstance(leaf, QuantizedWeight):
@@ -381,16 +304,24 @@ def _write(func: torch._ops.OpOverload, args: Any, kwargs: Any, targets: list[Qu
 
     out = func(*tree_map(dense, args), **tree_map(dense, kwargs))
     if any(stand_ins[id(t)].shape != t.shape for t in targets):  # (an ``out=`` of another shape resized it)
-        raise RuntimeError(_refusal(func))
+        raise RuntimeError(_refusal(func, targets[0]))
     for store, root in roots.values():
         store.commit(root)
     back = {id(stand_ins[id(t)]): t for t in targets}
     return tree_map(lambda leaf: back.get(id(leaf), leaf) if isinstance(leaf, torch.Tensor) else leaf, out)
 
 
-def _refusal(func: torch._ops.OpOverload) -> str:
+def _refusal(func: torch._ops.OpOverload, tensor: Any) -> str:
     return (
-        f"{func.__name__} would change the shape or storage of a weight that the quantized_weights rung holds in "
-        f"low bits (it has no storage of its own while the rung is engaged). Call guard.close() first, which puts "
-        f"the exact original back, or write its values with copy_"
+        f"{func.__name__} would change the shape or storage of a weight that {_held_as(tensor)} (it has no "
+        f"storage of its own while the rung is engaged). Call guard.close() first, which puts the exact original "
+        f"back, or write its values with copy_"
     )
+
+
+def _held_as(tensor: Any) -> str:
+    """Which rung holds ``tensor`` (a held weight, or a view or copy of one) and how, for a message."""
+    store = tensor._qstore if isinstance(tensor, QuantizedWeight) else None
+    codes = None if store is None else store.codes or (store.source.codes if store.source is not None else None)
+    half = None if codes is None else codes.half
+    return "the quantized_weights rung holds in low bits" if half is None else f"the amp rung holds in {half}"
