@@ -49,6 +49,7 @@ from oomguard._effects.ascent import Ascent
 from oomguard._effects.descent import Descent, summed
 from oomguard._effects.hoststep import FUSED_OPTIMIZERS, HostStep, buckets, fuses
 from oomguard._effects.interrupts import run_whole
+from oomguard._graph import graph_nodes
 
 __all__ = ["EarlyStep", "Groups", "SpoiledEarlyStep", "recomputes_forward"]
 
@@ -281,19 +282,8 @@ def recomputes_forward(loss: torch.Tensor) -> bool:
     """Whether backward from ``loss`` runs forward code again, reading the weights as they are then: a reentrant
     activation checkpoint (torch's, DeepSpeed's, transformers' default) recomputes its block inside its backward
     node. No weight may step and go up before that (the recompute would read the stepped weight)."""
-    kept: list[Any] = []  # (the nodes walked stay alive: an identity freed could be reused by a node not yet seen)
-    seen: set[int] = set()
-    todo = [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        if "Checkpoint" in type(node).__name__:  # (a custom Function's node is named for it: CheckpointFunction...)
-            return True
-        seen.add(id(node))
-        kept.append(node)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return False
+    # (a custom Function's node is named for it: CheckpointFunctionBackward)
+    return any("Checkpoint" in type(node).__name__ for node in graph_nodes(loss))
 
 
 def _mutable(optimizer: torch.optim.Optimizer, weight: _Early) -> list[torch.Tensor]:

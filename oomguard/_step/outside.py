@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from oomguard._graph import graph_nodes
 from oomguard._step.batch import batch_leaves
 
 __all__ = ["OutsideLeaves"]
@@ -51,17 +52,5 @@ class OutsideLeaves:
 
 
 def _leaves(loss: torch.Tensor) -> list[torch.Tensor]:
-    """Every leaf that backward from ``loss`` accumulates a gradient into."""
-    found: list[torch.Tensor] = []
-    seen: set[int] = set()
-    todo = [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        leaf = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return found
+    """Every leaf that backward from ``loss`` accumulates a gradient into (an ``AccumulateGrad`` node's)."""
+    return [leaf for node in graph_nodes(loss) if isinstance(leaf := getattr(node, "variable", None), torch.Tensor)]
