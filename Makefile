@@ -2,15 +2,22 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# `make demo` installs what the demo needs (torch, the package, its `demo` extra: transformers and matplotlib);
+# `make test` the test and docs toolchain on top (its `test` extra). Each stamp says which was installed.
 STAMP := $(VENV)/.oomguard-installed
+DEMO_STAMP := $(VENV)/.oomguard-demo-installed
 
 .PHONY: demo test lint docs pytest wheel-check bench clean
 
 $(STAMP): setup.cfg pyproject.toml scripts/bootstrap.sh
-	PYTHON=$(PYTHON) sh scripts/bootstrap.sh $(VENV)
+	PYTHON=$(PYTHON) sh scripts/bootstrap.sh $(VENV) test
 	touch $(STAMP)
 
-demo: $(STAMP)
+$(DEMO_STAMP): setup.cfg pyproject.toml scripts/bootstrap.sh
+	PYTHON=$(PYTHON) sh scripts/bootstrap.sh $(VENV) demo
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m oomguard demo
 
 test: lint docs pytest wheel-check

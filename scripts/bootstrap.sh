@@ -3,10 +3,12 @@
 #
 # - A torch that is already importable by $PYTHON is kept (the venv sees it through --system-site-packages).
 # - Otherwise, without an NVIDIA GPU, the CPU build of torch is installed: never the multi-GB CUDA wheels.
-# - Then this package and its test dependencies are installed in editable mode.
+# - Then this package is installed in editable mode with the extra named second (default: test): `make demo` asks
+#   for `demo` (transformers and matplotlib), `make test` for `test` (every extra, pytest, mypy, ruff, mkdocs).
 set -eu
 
 venv=${1:-.venv}
+extra=${2:-test}
 python=${PYTHON:-python3}
 
 if [ ! -x "$venv/bin/python" ]; then
@@ -31,4 +33,4 @@ if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
     fi
 fi
 
-$pip install -e ".[test]"
+$pip install -e ".[$extra]"

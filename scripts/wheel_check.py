@@ -12,7 +12,9 @@ dependencies, and then asks that venv:
 - a guarded step (an ``nn.Linear``, AdamW) under a :class:`~oomguard.testing.SimulatedGPU` runs out of memory,
   recovers and commits its step;
 - every module of the package imports, or fails with the error that names the extra to install;
-- ``oomguard --help`` runs.
+- ``oomguard --help`` runs, and ``oomguard --version`` names the wheel's version (``oomguard.__version__``, which
+  setup.cfg reads: the one place the version is written);
+- the wheel carries the licence (``LICENSE``, Apache-2.0) in its metadata folder.
 
 Run by ``make wheel-check`` (part of ``make test``) with the test venv's Python: 18 s of CPU, 27-51 s here on two loaded
 cores (the wheel's build 7 s, the guarded step and the imports 14 s, each further Python that imports torch 4-5 s).
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -153,6 +156,18 @@ def run(
     return done
 
 
+def metadata_version(wheel: Path) -> str:
+    """The version a wheel's own metadata (``*.dist-info/METADATA``) declares; the check ends where the wheel
+    leaves out the licence file."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (name,) = [name for name in names if name.endswith(".dist-info/METADATA")]
+        lines = archive.read(name).decode("utf-8").splitlines()
+    if not any(name.endswith(("dist-info/licenses/LICENSE", "dist-info/LICENSE")) for name in names):
+        sys.exit(f"wheel-check: {wheel.name} has no LICENSE in its metadata (setup.cfg's license_files)")
+    return next(line.removeprefix("Version:").strip() for line in lines if line.startswith("Version:"))
+
+
 def main() -> None:
     started = time.perf_counter()
     if Version(metadata.version("pip")) < Version("22.3"):  # (its `--python`: the test venv's pip installs elsewhere)
@@ -176,8 +191,15 @@ def main() -> None:
         env["PYTHONNOUSERSITE"] = "1"
         smoke = run(python, "-c", SMOKE, cwd=tmp, env=env)
         run(venv / "bin" / "oomguard", "--help", cwd=tmp, env=env)
+        said = run(venv / "bin" / "oomguard", "--version", cwd=tmp, env=env).stdout.strip()
+        built = metadata_version(wheel)
+        if said != f"oomguard {built}":
+            sys.exit(f"wheel-check: `oomguard --version` said {said!r}, the wheel is version {built}")
     names = ", ".join(sorted(str(dist.metadata["Name"]) for dist in dists))
-    print(f"wheel-check: {wheel.name} beside {names} alone: {smoke.stdout.strip()}; `oomguard --help` runs")
+    print(
+        f"wheel-check: {wheel.name} beside {names} alone: {smoke.stdout.strip()}; `oomguard --help` runs, "
+        f"`oomguard --version` says {said!r}"
+    )
     print(f"wheel-check: {time.perf_counter() - started:.1f} s")
 
 

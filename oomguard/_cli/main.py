@@ -12,9 +12,12 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
+    from oomguard import __version__
+
     parser = argparse.ArgumentParser(
         prog="oomguard", description="Keep PyTorch training alive when the GPU runs out of memory."
     )
+    parser.add_argument("--version", action="version", version=f"oomguard {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
         "demo",
