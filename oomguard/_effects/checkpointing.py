@@ -102,16 +102,23 @@ def enable_checkpointing(model: torch.nn.Module, mode: CheckpointingMode) -> Cal
 def _enable_transformers(model: Any, every: int) -> Callable[[], None]:
     flagged = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
     before = [(m, m.gradient_checkpointing, vars(m).get("_gradient_checkpointing_func", _MISSING)) for m in flagged]
-    hooks_before = {name: vars(model).get(name, _MISSING) for name in _HOOK_ATTRS}
+    enable: Callable[..., Any] | None = getattr(model, "activation_checkpointing_enable", None)
+    modern = enable is not None and "every_n_layers" in inspect.signature(enable).parameters  # transformers 5.x
+    if enable is None or not modern:
+        enable = model.gradient_checkpointing_enable
+    # The input-grad hooks are kept on the model whose method this is: through a wrapper that forwards attributes
+    # (PEFT's), the transformers model inside. Looked for on the wrapper, they stayed after undo: the embeddings'
+    # output then required grad for good (one more activation kept and one more gradient made per step).
+    owner = getattr(enable, "__self__", model)
+    hooks_before = {name: vars(owner).get(name, _MISSING) for name in _HOOK_ATTRS}
     old_handles = _handles(hooks_before.get("_require_grads_hooks"))
 
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None and "every_n_layers" in inspect.signature(enable).parameters:  # transformers 5.x
+    if modern:
         enable(activation_checkpointing_kwargs=dict(_KWARGS), every_n_layers=every)
     else:  # older releases: the deprecated name, no every_n_layers; skip layers by their flag, as 5.x does
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(_KWARGS))
+            enable(gradient_checkpointing_kwargs=dict(_KWARGS))
         for index, block in enumerate(find_blocks(model)):
             if hasattr(block, "gradient_checkpointing"):
                 setattr(block, "gradient_checkpointing", index % every == 0)  # noqa: B010
@@ -120,11 +127,11 @@ def _enable_transformers(model: Any, every: int) -> Callable[[], None]:
             module.gradient_checkpointing = True
 
     def undo() -> None:
-        for handle in _handles(vars(model).get("_require_grads_hooks")):
+        for handle in _handles(vars(owner).get("_require_grads_hooks")):
             if not any(handle is old for old in old_handles):
                 handle.remove()
         for name, value in hooks_before.items():
-            _restore(model, name, value)
+            _restore(owner, name, value)
         for module, flag, func in before:
             module.gradient_checkpointing = flag
             _restore(module, "_gradient_checkpointing_func", func)
