@@ -11,6 +11,7 @@ from oomguard._rungs.micro_batch import MicroBatch
 from oomguard._rungs.optimizer_offload import OptimizerOffload
 from oomguard._rungs.quantized_optimizer import QuantizedOptimizer
 from oomguard._rungs.quantized_weights import QuantizedWeights
+from oomguard._rungs.tiled_mlp import TiledMLP
 
 __all__ = [
     "ActivationOffload",
@@ -22,6 +23,7 @@ __all__ = [
     "OptimizerOffload",
     "QuantizedOptimizer",
     "QuantizedWeights",
+    "TiledMLP",
 ]
 
 register(MicroBatch)
@@ -32,4 +34,5 @@ register(OptimizerOffload)
 register(LayerOffload)
 register(QuantizedOptimizer)
 register(QuantizedWeights)
+register(TiledMLP)
 register(ChunkedLoss)  # (last: it follows no rung, so it is placed first, ahead of micro_batch)
