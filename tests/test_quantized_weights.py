@@ -278,11 +278,11 @@ def test_oomguard_plan_recommends_8_bit_frozen_weights_for_a_lora_job(
     assert main([*args, "--ladder", "micro_batch,quantized_weights"]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert answer["plan"]["quantized_weights"] and "quantized_weights" in answer["plan"]["rungs"]
-    assert "LoRA (rank 4 on 14 layers)" in answer["model"]
+    assert "LoRA (rank 4 on 14 layers, base in fp32)" in answer["model"]
     assert main([*args, "--ladder", "micro_batch", "--batch-size", "1"]) == 1, "not without the rung"
     capsys.readouterr()
     main([*args, "--ladder", "quantized_weights", "--lora-targets", "q_proj, v_proj"])
-    assert "LoRA (rank 4 on 4 layers)" in json.loads(capsys.readouterr().out)["model"]
+    assert "LoRA (rank 4 on 4 layers, base in fp32)" in json.loads(capsys.readouterr().out)["model"]
 
 
 # -- the quantized weight is still the user's parameter, and a valid tensor (issue 23) ----------------------------

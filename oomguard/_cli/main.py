@@ -78,6 +78,22 @@ def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         help="the guard's rungs, comma-separated, in order (default: the default ladder; add the opt-in "
         "quantized_optimizer or quantized_weights to plan with them)",
     )
+    _add_lora(plan)
+    plan.add_argument(
+        "--exact",
+        action="store_true",
+        help="measure every candidate with a full fake step (slower; by default a deep model's candidates are "
+        "composed from steps of 1- to 4-block copies of it, and the recommendation measured in full where it comes "
+        "within 3%% of the GPU or the host memory)",
+    )
+    plan.add_argument(
+        "--json", action="store_true", help="print the answer as strict JSON (a non-finite number is null)"
+    )
+    plan.set_defaults(run=_run_plan)
+
+
+def _add_lora(plan: argparse.ArgumentParser) -> None:
+    """``oomguard plan``'s options of a LoRA fine-tune."""
     plan.add_argument(
         "--lora-rank",
         type=int,
@@ -92,16 +108,13 @@ def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "default) or names, comma-separated, e.g. q_proj,v_proj",
     )
     plan.add_argument(
-        "--exact",
-        action="store_true",
-        help="measure every candidate with a full fake step (slower; by default a deep model's candidates are "
-        "composed from steps of 1- to 4-block copies of it, and the recommendation measured in full where it comes "
-        "within 3%% of the GPU or the host memory)",
+        "--base-dtype",
+        choices=("fp32", "bf16", "fp16", "nf4"),
+        default=None,
+        help="with --lora-rank, how the frozen base is loaded: fp32, bf16 or fp16 weights, or nf4 (its linear layers "
+        "in 4 bits as bitsandbytes stores them; no bitsandbytes needed to plan) (default: the config's torch_dtype, "
+        "else fp32; the answer's model line says which)",
     )
-    plan.add_argument(
-        "--json", action="store_true", help="print the answer as strict JSON (a non-finite number is null)"
-    )
-    plan.set_defaults(run=_run_plan)
 
 
 def _presets() -> list[str]:
@@ -123,6 +136,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     ladder = None if args.ladder is None else _names(args.ladder)
     if args.lora_targets is not None and args.lora_rank is None:  # (planned as a full fine-tune, it would be ignored)
         bad_input("plan", "--lora-targets names the layers a LoRA fine-tune adapts: give --lora-rank R too")
+    if args.base_dtype is not None and args.lora_rank is None:  # (a full fine-tune trains fp32 weights)
+        bad_input("plan", "--base-dtype says how a LoRA fine-tune's frozen base is loaded: give --lora-rank R too")
     targets = args.lora_targets or ALL_LINEAR
     targets = targets if targets == ALL_LINEAR else _names(targets)
     host_memory = args.host_memory if args.host_memory is not None else machine_host_budget()
@@ -132,7 +147,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             args.model, gpu_memory=args.gpu_memory, batch_size=args.batch_size, seq_len=args.seq_len,
             optimizer=args.optimizer, target=args.target, bf16=args.bf16, max_grad_norm=args.max_grad_norm,
             speed=speed, ladder=ladder, lora_rank=args.lora_rank, lora_targets=targets, host_memory=host_memory,
-            exact=args.exact,
+            exact=args.exact, base_dtype=args.base_dtype,
         )  # fmt: skip
     except ValueError as error:  # bad input: a model, a config.json or an argument the planner cannot use
         bad_input("plan", error)

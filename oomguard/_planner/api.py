@@ -17,16 +17,22 @@ from oomguard._ladder.rungs import Rung
 from oomguard._planner.compose import uniform_blocks
 from oomguard._planner.engine import dry_run
 from oomguard._planner.lora import ALL_LINEAR, add_lora
-from oomguard._planner.presets import config_source, load_config, transformers_error
+from oomguard._planner.nf4 import quantize_linears
+from oomguard._planner.presets import config_dtype, config_source, load_config, transformers_error
 from oomguard._planner.report import PlanReport, Target
 from oomguard._planner.speed import DeviceSpeed
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["OPTIMIZERS", "plan"]
+__all__ = ["BASE_DTYPES", "OPTIMIZERS", "plan"]
 
 OptimizerName = Literal["adamw", "sgd"]
+BaseDtype = Literal["fp32", "bf16", "fp16", "nf4"]
+#: How a LoRA plan's frozen base can be loaded: its weights in fp32, bf16 or fp16, or its linear layers in NF4 as
+#: bitsandbytes stores them (:mod:`oomguard._planner.nf4`; the rest in bf16).
+BASE_DTYPES: tuple[BaseDtype, ...] = ("fp32", "bf16", "fp16", "nf4")
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "nf4": torch.bfloat16}
 #: The optimizers the planner can build: AdamW, and SGD with momentum 0.9 (one state tensor per parameter).
 _ATTENTION_DROPOUT = ("attn_pdrop", "attention_dropout")
 _PER_LAYER = ("layer_types",)  # config fields with one entry per decoder layer
@@ -49,6 +55,7 @@ def plan(
     lora_targets: str | Sequence[str] = ALL_LINEAR,
     host_memory: int | str | None = None,
     exact: bool = False,
+    base_dtype: BaseDtype | None = None,
 ) -> PlanReport:
     """Plan a causal LM's training step on a device of ``gpu_memory`` bytes, without a GPU and without weights.
 
@@ -79,6 +86,11 @@ def plan(
             identical blocks has each candidate composed from steps of one- and two-block copies of it (up to four
             where layers stream), and only the recommendation measured in full (:mod:`oomguard._planner.compose`):
             the same peaks within a fraction of a percent, in a fraction of the time.
+        base_dtype: how a LoRA plan's frozen base is loaded: ``"fp32"``, ``"bf16"`` or ``"fp16"`` weights, or
+            ``"nf4"``: every linear layer but the output head in 4 bits as bitsandbytes stores them (NF4 with nested
+            statistics; the rest in bf16), a QLoRA, modelled without bitsandbytes. None: the config's
+            ``torch_dtype`` (``from_pretrained`` loads that), else fp32. The report's ``model`` says which. A full
+            fine-tune trains fp32 weights (mixed precision is the ``amp`` rung's): give it with ``lora_rank``.
 
     Raises ``ValueError`` for bad input: an argument out of range, or a config (file) transformers cannot build a
     causal LM from; the message names the file and the fix.
@@ -92,18 +104,19 @@ def plan(
     # (0, which the machine's figure can be: no host room at all; a size the user writes must be positive)
     host_budget = None if host_memory is None else 0 if host_memory == 0 else parse_bytes(host_memory)
     config = _training_config(model, seq_len, target)
+    loaded = _base_dtype(model, base_dtype, lora_rank)
     label = model if isinstance(model, str) else getattr(config, "model_type", "model")
     source = config_source(model)
     with FakeTensorMode(), _quiet_transformers():
-        net, opt, adapted = _trainable(config, source, optimizer, target, lora_rank, lora_targets)
+        net, opt, adapted = _trainable(config, source, optimizer, target, lora_rank, lora_targets, loaded)
         if adapted is not None:
-            label = f"{label} with LoRA (rank {lora_rank} on {adapted} layers)"
+            label = f"{label} with LoRA (rank {lora_rank} on {adapted} layers, base in {loaded})"
         ids = torch.zeros((batch_size, seq_len), dtype=torch.long)
         batch = {"input_ids": ids, "labels": torch.zeros_like(ids)}
 
         def shallow(blocks: int) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
             fewer, fewer_opt, _ = _trainable(
-                _with_blocks(config, blocks), source, optimizer, target, lora_rank, lora_targets
+                _with_blocks(config, blocks), source, optimizer, target, lora_rank, lora_targets, loaded
             )
             return (lambda b: fewer(**b)), fewer, fewer_opt
 
@@ -122,11 +135,17 @@ def _trainable(
     target: str,
     lora_rank: int | None,
     lora_targets: str | Sequence[str],
+    loaded: str = "fp32",
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, int | None]:
     """The model of ``config`` in training mode (with LoRA adapters where ``lora_rank`` is given: then also how
-    many layers were adapted) and its optimizer, as torch runs it on ``target``."""
-    net = _build(config, source)
-    adapted = add_lora(net, lora_rank, lora_targets) if lora_rank is not None else None
+    many layers were adapted, over a base ``loaded`` as :data:`BASE_DTYPES` says) and its optimizer, as torch runs
+    it on ``target``."""
+    net = _build(config, source, None if lora_rank is None else _TORCH_DTYPES[loaded])
+    adapted = None
+    if lora_rank is not None:
+        if loaded == "nf4":
+            quantize_linears(net, _TORCH_DTYPES[loaded])
+        adapted = add_lora(net, lora_rank, lora_targets)
     net.train()
     trainable = [p for p in net.parameters() if p.requires_grad]
     foreach = True if target == "cuda" else None  # torch's default on CUDA
@@ -163,6 +182,21 @@ def _check(
         raise ValueError("lora_targets= names the layers a LoRA fine-tune adapts: give lora_rank= too")
 
 
+def _base_dtype(model: object, given: object, lora_rank: int | None) -> str:
+    """How the LoRA base is loaded (:data:`BASE_DTYPES`): ``given``, else the config's ``torch_dtype``, else fp32;
+    fp32 for a full fine-tune. ``ValueError`` for a dtype not among them, or one given for a full fine-tune."""
+    if given is not None and given not in BASE_DTYPES:
+        raise ValueError(f"base_dtype must be one of {', '.join(BASE_DTYPES)}, got {given!r}")
+    if lora_rank is None:
+        if given is not None:
+            raise ValueError(
+                "base_dtype says how a LoRA fine-tune's frozen base is loaded: give lora_rank= too (a full "
+                "fine-tune trains fp32 weights; the amp rung computes in bf16)"
+            )
+        return "fp32"
+    return str(given) if given is not None else config_dtype(model) or "fp32"
+
+
 def _training_config(model: str | Path | PretrainedConfig | dict[str, Any], seq_len: int, target: str) -> Any:
     """The model's config, set up as a training step on ``target`` runs it (no cache; on CUDA, no attention
     dropout mask kept)."""
@@ -179,8 +213,9 @@ def _training_config(model: str | Path | PretrainedConfig | dict[str, Any], seq_
     return config
 
 
-def _build(config: PretrainedConfig, source: str) -> torch.nn.Module:
-    """The causal LM of ``config`` (on fake tensors, under the caller's mode).
+def _build(config: PretrainedConfig, source: str, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The causal LM of ``config`` (on fake tensors, under the caller's mode), its weights in ``dtype`` (None: the
+    config's).
 
     transformers accepts many configs it then cannot build a model from (an unknown activation, a rope setting
     of the wrong type...) and fails inside the model's constructor with whatever error that code meets; that is
@@ -195,7 +230,7 @@ def _build(config: PretrainedConfig, source: str) -> torch.nn.Module:
             f"(AutoModelForCausalLM has none for it); plan a decoder-only model such as llama, qwen2 or gpt2"
         )
     try:
-        net: torch.nn.Module = AutoModelForCausalLM.from_config(config)
+        net: torch.nn.Module = AutoModelForCausalLM.from_config(config, **({} if dtype is None else {"dtype": dtype}))
     except Exception as error:  # whatever the model's constructor meets: see above
         raise ValueError(
             f"{source}: transformers cannot build a {config.model_type} model from it: {transformers_error(error)}; "

@@ -4,7 +4,9 @@ PEFT itself cannot wrap a model made of fake tensors (moving its adapters to the
 fake parameters, which torch refuses), so the planner adds its own: each adapted layer keeps its frozen base
 module and gains ``A`` (rank x in) and ``B`` (out x rank), trainable, with ``base(x) + B(A(dropout(x))) *
 alpha / rank`` as its output: PEFT's ``lora.Linear`` computation, so the same tensors are allocated and saved.
-Everything else (embeddings, norms, the output head) is frozen.
+Everything else (embeddings, norms, the output head) is frozen. The adapters are fp32 whatever the base's dtype, as
+PEFT makes them (``autocast_adapter_dtype``): over a bf16 or NF4 base, the input is cast to fp32 for them and the sum
+cast back to the base's output dtype, as ``lora.Linear`` does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from oomguard._planner.nf4 import NF4Linear, linear_sides
+
 __all__ = ["ALL_LINEAR", "add_lora"]
 
 #: The targets that adapt every linear layer but the output head (QLoRA's choice; PEFT's ``"all-linear"``).
@@ -20,24 +24,25 @@ ALL_LINEAR = "all-linear"
 
 
 class LoRALayer(torch.nn.Module):
-    """A frozen linear layer (``nn.Linear`` or transformers' ``Conv1D``) with a trainable low-rank adapter."""
+    """A frozen linear layer (``nn.Linear``, transformers' ``Conv1D`` or an :class:`NF4Linear`) with a trainable
+    low-rank adapter (fp32: see the module's docstring)."""
 
     def __init__(self, base: torch.nn.Module, rank: int, alpha: float, dropout: float) -> None:
         super().__init__()
-        weight = base.weight
-        assert isinstance(weight, torch.Tensor)
-        # Conv1D (GPT-2) stores its weight as (in, out), nn.Linear as (out, in)
-        features_in, features_out = weight.shape[::-1] if isinstance(base, torch.nn.Linear) else weight.shape
+        features_out, features_in = linear_sides(base)
         self.base = base
-        self.lora_a = torch.nn.Linear(features_in, rank, bias=False, dtype=weight.dtype)
-        self.lora_b = torch.nn.Linear(rank, features_out, bias=False, dtype=weight.dtype)
+        self.lora_a = torch.nn.Linear(features_in, rank, bias=False, dtype=torch.float32)
+        self.lora_b = torch.nn.Linear(rank, features_out, bias=False, dtype=torch.float32)
         torch.nn.init.zeros_(self.lora_b.weight)
         self.dropout = torch.nn.Dropout(dropout)
         self.scaling = alpha / rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        adapted: torch.Tensor = self.base(x) + self.lora_b(self.lora_a(self.dropout(x))) * self.scaling
-        return adapted
+        result: torch.Tensor = self.base(x)
+        # (both casts return their input where the dtypes agree: an fp32 base)
+        update: torch.Tensor = self.lora_b(self.lora_a(self.dropout(x.to(self.lora_a.weight.dtype))))
+        adapted = result + update * self.scaling
+        return adapted.to(dtype=result.dtype)
 
 
 def add_lora(
@@ -71,7 +76,7 @@ def add_lora(
     if not chosen:
         wanted = "no linear layer but the output head" if names is None else f"no layer named {sorted(names)}"
         raise ValueError(f"LoRA: the model has {wanted}; name its attention or MLP projections as targets")
-    narrowest, side = min(((name, min(module.weight.shape)) for name, module in chosen), key=lambda item: item[1])
+    narrowest, side = min(((name, min(linear_sides(module))) for name, module in chosen), key=lambda item: item[1])
     if rank > side:  # (an adapter of rank min(in, out) is already full rank: more only adds parameters)
         raise ValueError(
             f"the LoRA rank {rank} is larger than the layer {narrowest} it adapts allows ({side}, the smaller side "
@@ -86,7 +91,7 @@ def add_lora(
 
 
 def _linear(module: torch.nn.Module) -> bool:
-    """A layer LoRA adapts: ``nn.Linear``, or transformers' ``Conv1D`` (GPT-2's projections)."""
-    return isinstance(module, torch.nn.Linear) or (
+    """A layer LoRA adapts: ``nn.Linear``, transformers' ``Conv1D`` (GPT-2's projections), or an NF4 one."""
+    return isinstance(module, torch.nn.Linear | NF4Linear) or (
         type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None
     )

@@ -15,7 +15,7 @@ from oomguard._extras import require
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["PRESETS", "config_source", "load_config", "transformers_error"]
+__all__ = ["PRESETS", "config_dtype", "config_source", "load_config", "transformers_error"]
 
 _LLAMA_ROPE_3 = {
     "rope_type": "llama3",
@@ -125,6 +125,41 @@ def load_config(spec: str | Path | PretrainedConfig | dict[str, Any]) -> Pretrai
         raise ValueError(
             f"{source}: transformers rejects this {model_type} config: {transformers_error(error)}; fix that field"
         ) from error
+
+
+#: A config's ``torch_dtype`` (or ``dtype``) as the planner names a LoRA base's dtype.
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def config_dtype(spec: str | Path | PretrainedConfig | dict[str, Any]) -> str | None:
+    """The dtype a config says its weights are stored in (its ``torch_dtype``, or ``dtype``), as ``"fp32"``,
+    ``"bf16"`` or ``"fp16"``: what ``from_pretrained`` loads it in; None where it says none (the presets, many
+    configs). ``ValueError`` for another dtype. Read from the same source :func:`load_config` reads.
+
+    >>> config_dtype({"model_type": "llama", "torch_dtype": "bfloat16"}), config_dtype("gpt2")
+    ('bf16', None)
+    """
+    from transformers import PretrainedConfig
+
+    if isinstance(spec, PretrainedConfig):
+        value: object = getattr(spec, "dtype", None) or getattr(spec, "torch_dtype", None)
+    elif isinstance(spec, dict):
+        value = spec.get("torch_dtype") or spec.get("dtype")
+    elif str(spec).lower() in PRESETS:
+        return None
+    else:
+        path = Path(spec)
+        fields = _read_json(path / "config.json" if path.is_dir() else path)
+        value = fields.get("torch_dtype") or fields.get("dtype") if isinstance(fields, dict) else None
+    if value is None or value == "auto":
+        return None
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(
+            f"{config_source(spec)}: torch_dtype {name!r} is not a dtype the planner loads a LoRA base in; give "
+            f"base_dtype= (--base-dtype) fp32, bf16, fp16 or nf4"
+        )
+    return _DTYPES[name]
 
 
 def config_source(spec: str | Path | PretrainedConfig | dict[str, Any]) -> str:
