@@ -137,5 +137,6 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--fault", choices=["backward", "optimizer"], help="the last rank runs out of memory once")
     parser.add_argument("--save", help="where rank 0 saves the trained weights")
+    parser.add_argument("--output-dir", default="lightning_out", help="the guard's log and the CSV logger's files")
     arguments = parser.parse_args()
-    main(arguments.steps, fault=arguments.fault, save=arguments.save)
+    main(arguments.steps, arguments.output_dir, fault=arguments.fault, save=arguments.save)

@@ -121,16 +121,20 @@ def test_lightning_example_trains_and_recovers(tmp_path: Path) -> None:
 @pytest.mark.slow  # (40 s of CPU: two ranks, each a Llama planned and run under the simulator)
 @pytest.mark.subprocess
 @RANKS
-def test_lightning_example_under_torchrun_recovers_an_oom_on_rank_1() -> None:
+def test_lightning_example_under_torchrun_recovers_an_oom_on_rank_1(tmp_path: Path) -> None:
     """Lightning's DDP (gloo): rank 1 alone runs out of memory in the first step's backward, after the simulated
     GPU's own OOM on both ranks; both recover in the same training_step, take every step, and their replicas are
     identical. (An OOM in the optimizer step there is not tested: under DDP each of its replays that ran out of memory
     in backward left memory behind, and the ladder ran out; one process recovers it.)"""
     returncode, output = torchrun(
-        EXAMPLES / "lightning_finetune.py", "--steps", "2", "--fault", "backward", done=_DONE, timeout=300
+        EXAMPLES / "lightning_finetune.py",
+        *("--steps", "2", "--fault", "backward", "--output-dir", str(tmp_path)),
+        done=_DONE,
+        timeout=300,
     )
     assert returncode is not None, f"the torchrun example hung:\n{output[-6000:]}"
     assert returncode == 0, output[-3000:]
     assert output.count("--fault: this rank runs out of memory in the backward") == 1, output[-3000:]
     assert "[rank 0] global_step 2;" in output and "[rank 1] global_step 2;" in output
     assert _DONE in output
+    assert (tmp_path / "oomguard.jsonl").exists() and (tmp_path / "oomguard.rank1.jsonl").exists()
