@@ -148,6 +148,26 @@ def test_guarded_training_equals_automatic_optimization_after_a_recovered_oom(wh
         torch.testing.assert_close(trained, value, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_a_scheduler_stepped_each_epoch_is_stepped_as_automatic_optimization_steps_it() -> None:
+    """``configure_optimizers`` returning bare schedulers (Lightning's default: ``"epoch"``, every epoch): stepped
+    after each epoch's last batch, as the automatic loop steps it; manual optimization alone would never step it."""
+
+    class Epochly(Regression):
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)]
+
+    reference, plain = Epochly(guarded=False), trainer(steps=-1, max_epochs=2)
+    plain.fit(reference, loader())
+    module = Epochly(guarded=True)
+    fitted = fit_guarded(ROOMY, module, OOMGuardCallback(), steps=-1, max_epochs=2)
+    assert fitted.global_step == plain.global_step == 2 * STEPS
+    assert fitted.lr_scheduler_configs[0].scheduler.last_epoch == 2
+    assert fitted.optimizers[0].param_groups[0]["lr"] == plain.optimizers[0].param_groups[0]["lr"] == 0.025
+    for trained, value in zip(module.state_dict().values(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(trained, value, rtol=1e-6, atol=1e-6)
+
+
 def test_fallbacks_reach_the_trainers_loggers_at_the_step_they_happened() -> None:
     module, recorded = Regression(guarded=True), Recorded()
     fit_guarded(TIGHT, module, OOMGuardCallback(ladder=EXACT), logger=recorded)
