@@ -42,6 +42,7 @@ PLANS: list[tuple[str, Plan]] = [
     ("activation_offload", Plan(activation_offload=True)),
     ("optimizer_offload", Plan(optimizer_offload=True)),
     ("layer_offload (all 4 layers)", Plan(offload_layers=4)),
+    ("tiled_mlp (x4, opt-in)", Plan().with_level("tiled_mlp", 2)),
 ]
 
 
