@@ -171,6 +171,19 @@ def test_lora_plans_composed_from_shallow_copies_are_those_of_a_full_fake_step(
         assert built.predicted_seconds == pytest.approx(full.predicted_seconds, rel=1e-9), (base_dtype, full.plan)
 
 
+@pytest.mark.slow  # (two plans of a six-block model: 20 s of CPU)
+def test_a_composed_lora_recommendation_near_the_edge_is_measured_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within CLEAR of the device (here: always), the recommendation's composed figures give way to a full step's."""
+    monkeypatch.setattr("oomguard._planner.engine.MIN_BLOCKS", LAYERS)
+    monkeypatch.setattr("oomguard._planner.compose.CLEAR", 1.0)
+    asked: dict[str, Any] = {"gpu_memory": "1GiB", "batch_size": 2, "seq_len": 16, "target": "simulated",
+                             "lora_rank": 4, "base_dtype": "nf4"}  # fmt: skip
+    fast, exact = plan(TINY, **asked), plan(TINY, **asked, exact=True)
+    assert fast.composed and fast.confirmed and not exact.composed
+    assert fast.recommended == exact.recommended is not None
+    assert fast.chosen.peak_bytes == exact.chosen.peak_bytes and fast.chosen.host_bytes == exact.chosen.host_bytes
+
+
 @pytest.mark.slow
 def test_llama_3_2_1b_lora_on_a_bf16_base_is_composed_and_fits_6_gib_without_streaming() -> None:
     """Issue 46's first done-when (its wall time is in RESULTS.md)."""
