@@ -190,6 +190,29 @@ def test_undo_puts_back_each_mlps_forward_and_one_the_user_had_set() -> None:
     assert torch.equal(model(**batch).loss, before)
 
 
+def test_an_evaluation_forward_runs_in_chunks_and_gives_the_untiled_logits() -> None:
+    batch = lm_batch()
+    model = llama()
+    with torch.no_grad():
+        want = model(**batch).logits
+    calls = chunk_calls(model)
+    undo = tile(find_blocks(model), 4)
+    with torch.no_grad():
+        got = model(**batch).logits
+    undo()
+    assert calls == [24] * (2 * 4)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_mlp_called_with_more_than_its_hidden_states_is_refused_with_the_fix() -> None:
+    block = torch.nn.Module()
+    block.mlp = torch.nn.Linear(8, 8)
+    undo = tile([block], 2)
+    with pytest.raises(GuardConfigError, match="leave tiled_mlp out of the ladder"):
+        block.mlp(torch.randn(1, 4, 8), torch.randn(1, 4, 8))
+    undo()
+
+
 class _Mixing(torch.nn.Module):
     """An MLP whose output for a token reads the other tokens (a mean over the sequence)."""
 
