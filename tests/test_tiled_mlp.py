@@ -315,6 +315,17 @@ def test_the_level_is_a_key_of_the_plan_and_every_rank_agrees_on_it() -> None:
     assert ladder.at_levels(Plan(), levels, 1) == plan
 
 
+def test_tuning_searches_the_rung_off_or_at_its_level_only() -> None:
+    from oomguard._planner.search import _levels
+
+    model = llama()
+    target = EffectTarget(model, torch.optim.SGD(model.parameters()), find_blocks(model))
+    rung = builtin("tiled_mlp")
+    assert rung is not None
+    context = RungContext(batch_size=1, num_blocks=2, facts={REFUSAL: Refusal(target)})
+    assert _levels(rung, tiled(3), context) == [0, 3], "not its 7 levels times every other rung's choices"
+
+
 def test_the_state_file_keeps_the_level_and_another_job_starts_from_it(tmp_path: Path) -> None:
     state = tmp_path / "plans.json"
     batch = lm_batch()

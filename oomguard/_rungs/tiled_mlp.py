@@ -52,7 +52,7 @@ class TiledMLP(Rung):
 
     after: ClassVar[str] = "activation_offload"  # (registered last: right behind it, with the activation rungs)
     opt_in: ClassVar[bool] = True  # (exact, but slower and of no use at short sequences: see the module's notes)
-    trade: ClassVar[Trade] = "levels"
+    trade: ClassVar[Trade] = "off_or_level"  # (tuning: off, or its level; not 7 levels x every other choice)
 
     def deeper(self, plan: Plan, context: RungContext) -> Plan | None:
         # (a context that does not know, one made by hand, says no: the rung engages only where it was checked;
