@@ -7,6 +7,7 @@ wrong with it and the fix, and exits with status 2 (1 stays "nothing fits").
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from oomguard import plan
+from oomguard import OOMGuard, plan
 from oomguard._backends.memory import MemorySnapshot
 from oomguard._backends.units import MiB
 from oomguard._cli.main import main
@@ -159,6 +160,74 @@ def test_a_log_the_guard_writes_has_nothing_to_skip(tmp_path: Path, capsys: pyte
     assert "skipped" not in out and (tmp_path / "guard.png").is_file()
 
 
+@pytest.mark.parametrize(
+    "content",
+    [b"# A README\n\nSome text.\n", b"\xff\xfe\x00binary", b'{"name": "a JSON document", "version": 1}\n'],
+)
+def test_the_report_refuses_a_file_that_is_not_an_event_log(
+    content: bytes, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: `oomguard report README.md` printed an empty table and exited 0."""
+    path = tmp_path / "README.md"
+    path.write_bytes(content)
+    with pytest.raises(SystemExit) as done:
+        main(["report", str(path)])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"oomguard report: {path} is not an oomguard event log (") and " skipped: " in err
+    empty = _write(tmp_path / "empty.jsonl", [])  # a job that has logged nothing yet: nothing wrong with the file
+    assert "0 steps logged" in _report(empty, capsys)
+
+
+def _job(log: Path, steps: int) -> OOMGuard:
+    """A guard that ran ``steps`` steps logging to ``log`` (progress at each of the first 10 steps, then every 10th)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    guard = OOMGuard(lambda b: model(b).square().mean(), model=model, optimizer=torch.optim.SGD(model.parameters()),
+                     log_file=log, log_every=10)  # fmt: skip
+    for _ in range(steps):
+        guard(torch.randn(4, 8))
+    return guard
+
+
+def _progress_steps(log: Path) -> list[int]:
+    return [e["step"] for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "progress"]
+
+
+@pytest.mark.parametrize("end", ["close", "drop"])
+def test_the_report_counts_every_step_of_a_job_logged_every_tenth_step(
+    end: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: a 45-step job's log ended at its progress event of step 40, and the report counted 41 steps: the
+    last step's progress, not logged by log_every, is written when the guard is closed or dropped."""
+    log = tmp_path / "job.jsonl"
+    guard = _job(log, 45)
+    if end == "close":
+        guard.close()
+    else:
+        del guard
+        gc.collect()
+    assert _progress_steps(log) == [*range(10), 10, 20, 30, 40, 44]
+    assert _report(log, capsys).startswith("45 steps logged (1 run(s)), 0 out-of-memory error(s)")
+
+
+def test_a_guard_closed_and_used_again_logs_each_step_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = tmp_path / "job.jsonl"
+    guard = _job(log, 45)
+    guard.close()
+    guard.close()  # (nothing held any more: nothing written twice)
+    import torch
+
+    for _ in range(6):  # steps 45 to 50: 50 is logged, nothing is held after it
+        guard(torch.randn(4, 8))
+    del guard
+    gc.collect()
+    assert _progress_steps(log) == [*range(10), 10, 20, 30, 40, 44, 50]
+    assert _report(log, capsys).startswith("51 steps logged (1 run(s))")
+
+
 _LLAMA = {
     "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
@@ -182,6 +251,15 @@ BAD_CONFIGS: dict[str, tuple[bytes, str]] = {
     "a rope_theta of the wrong type": (json.dumps({**_LLAMA, "rope_theta": "x"}).encode(), "model"),
 }
 _PLAN_ARGS = ["--gpu-memory", "80GiB", "--batch-size", "1", "--seq-len", "16"]
+_PROGRESS = "oomguard plan: planning "
+
+
+def _error_line(err: str) -> str:
+    """The one line of an error on stderr: after the progress line where planning had begun, nothing else."""
+    lines = err.splitlines()
+    assert "Traceback" not in err and lines and err.endswith("\n"), err
+    assert all(line.startswith(_PROGRESS) for line in lines[:-1]) and len(lines) <= 2, err
+    return lines[-1]
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
@@ -193,10 +271,10 @@ def test_plan_of_an_invalid_config_is_one_line_and_status_2(
     path.write_bytes(content)
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--model", str(path), *_PLAN_ARGS])
-    err = capsys.readouterr().err
+    err = _error_line(capsys.readouterr().err)
     assert exit_info.value.code == 2, err
-    assert err.count("\n") == 1 and err.startswith(f"oomguard plan: {path}") and expected in err, err
-    assert "Traceback" not in err and len(err) < 400
+    assert err.startswith(f"oomguard plan: {path}") and expected in err, err
+    assert len(err) < 400
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
@@ -239,7 +317,7 @@ def test_the_command_exits_2_with_one_line_on_stderr(fields: dict[str, Any], ans
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 2 and done.stdout == "", done.stderr
-    assert done.stderr.splitlines() == [f"oomguard plan: {path}: {answer}"]
+    assert _error_line(done.stderr) == f"oomguard plan: {path}: {answer}"
 
 
 def test_a_short_run_is_reported_and_plotted_step_by_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -283,10 +361,10 @@ def test_a_plan_argument_it_cannot_use_is_one_line_and_status_2(case: str, capsy
     arguments, expected = BAD_PLAN_ARGUMENTS[case]
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--model", "gpt2", *_PLAN_ARGS, *arguments])
-    err = capsys.readouterr().err
+    err = _error_line(capsys.readouterr().err)
     assert exit_info.value.code == 2, err
-    assert err.count("\n") == 1 and err.startswith("oomguard plan: ") and expected in err, err
-    assert "Traceback" not in err and len(err) < 400
+    assert err.startswith("oomguard plan: ") and expected in err, err
+    assert len(err) < 400
 
 
 def test_plan_json_is_strict_json_with_non_finite_numbers_as_null(capsys: pytest.CaptureFixture[str]) -> None:

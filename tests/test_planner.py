@@ -16,8 +16,8 @@ from helpers.steps import model_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomguard import OOMGuard, Plan, oom_guard, plan
-from oomguard._backends import host
 from oomguard._backends.units import format_bytes
+from oomguard._cli import planning
 from oomguard._cli.main import main
 from oomguard._planner.engine import dry_run
 from oomguard._planner.presets import PRESETS
@@ -298,7 +298,7 @@ def test_the_cli_plans_for_the_host_memory_given_or_this_machines(
     assert main([*args, "--host-memory", "100MiB"]) == 0  # no room for the journal: skipped, the plan still fits
     tight = json.loads(capsys.readouterr().out)
     assert tight["fits"] and tight["host_bytes"] == 0 and tight["candidates"][0]["journaled"] is False
-    monkeypatch.setattr(host, "machine_host_budget", lambda root=None: 5 * 2**30)
+    monkeypatch.setattr(planning, "total_host_memory", lambda: 6 * 2**30)  # (less 1 GiB: the margin's least)
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["host_memory_bytes"] == 5 * 2**30, "this machine's, by default"
     with pytest.raises(SystemExit, match="cannot read 'lots' as a memory size"):
@@ -315,7 +315,7 @@ def test_a_config_json_path_plans_like_its_preset(tmp_path: Path) -> None:
 
 def test_the_text_answer_shows_every_plan_tried(capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["plan", "--model", "gpt2", "--gpu-memory", "2.5GiB", "--batch-size", "8", "--seq-len", "128",
-                   "--target", "simulated"])  # fmt: skip
+                   "--target", "simulated", "--table"])  # fmt: skip
     out = capsys.readouterr().out
     assert status == 0 and "| whole batch (baseline) |" in out and "| no (runs out in forward) |" in out
     assert "Recommended: micro-batches of " in out and "(rungs: chunked_loss, micro_batch)" in out

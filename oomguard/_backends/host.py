@@ -40,9 +40,11 @@ __all__ = [
     "available_host_memory",
     "host_budget",
     "host_in_use",
+    "host_margin",
     "host_peak",
     "machine_host_budget",
     "pinned_empty",
+    "total_host_memory",
 ]
 
 #: The share of the available host memory the default budget leaves free (see the module for why).
@@ -108,13 +110,30 @@ def machine_host_budget(root: Path = Path("/")) -> int | None:
     available = available_host_memory(root)
     if available is None:
         return None
-    return max(0, available - max(int(available * HOST_MARGIN_FRACTION), HOST_MARGIN_MIN_BYTES))
+    return max(0, available - host_margin(available))
+
+
+def total_host_memory(root: Path = Path("/")) -> int | None:
+    """Bytes of host memory this machine has, whatever is in use now: ``MemTotal`` capped by the cgroup's limit
+    (psutil's ``total`` where there is no ``/proc/meminfo``); None where neither can be read. A figure that does not
+    move from run to run, for ``oomguard plan``'s default host budget (the guard's own is what is available)."""
+    found = [figure for figure in (_meminfo(root, "MemTotal:"),) if figure is not None]
+    found += [min(limit for limit, _ in limits) for limits in [_cgroup_limits(root)] if limits]
+    if not (root / "proc" / "meminfo").exists():
+        found += [figure for figure in (_psutil_figure("total"),) if figure is not None]
+    return min(found) if found else None
+
+
+def host_margin(nbytes: int) -> int:
+    """What a host budget taken from ``nbytes`` of host memory leaves free: :data:`HOST_MARGIN_FRACTION` of it or
+    :data:`HOST_MARGIN_MIN_BYTES`, whichever is larger (see the module for why)."""
+    return max(int(nbytes * HOST_MARGIN_FRACTION), HOST_MARGIN_MIN_BYTES)
 
 
 def available_host_memory(root: Path = Path("/")) -> int | None:
     """Bytes of host memory this process could still allocate: ``MemAvailable`` capped by the cgroup's headroom
     (psutil's ``available`` where there is no ``/proc/meminfo``); None where neither can be read."""
-    found = [figure for figure in (_meminfo_available(root), _cgroup_headroom(root)) if figure is not None]
+    found = [figure for figure in (_meminfo(root, "MemAvailable:"), _cgroup_headroom(root)) if figure is not None]
     if not (root / "proc" / "meminfo").exists():
         found += [figure for figure in (_psutil_available(),) if figure is not None]
     return min(found) if found else None
@@ -136,12 +155,12 @@ def _number(path: Path) -> int | None:
     return None if value >= _NO_LIMIT else value
 
 
-def _meminfo_available(root: Path) -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo`` (in kB there), in bytes."""
+def _meminfo(root: Path, name: str) -> int | None:
+    """A figure of ``/proc/meminfo`` (``"MemAvailable:"``, ``"MemTotal:"``; in kB there), in bytes."""
     text = _read(root / "proc" / "meminfo")
     for line in (text or "").splitlines():
         fields = line.split()
-        if fields[:1] == ["MemAvailable:"] and len(fields) >= 2 and fields[1].isdigit():
+        if fields[:1] == [name] and len(fields) >= 2 and fields[1].isdigit():
             return int(fields[1]) * 1024
     return None
 
@@ -149,6 +168,13 @@ def _meminfo_available(root: Path) -> int | None:
 def _cgroup_headroom(root: Path) -> int | None:
     """The least headroom (limit less usage) of the process's memory cgroup and its parents, v2 or v1; None where
     no limit is set. Inside a container ``/sys/fs/cgroup`` is the container's own cgroup, so its root counts."""
+    headrooms = [max(0, limit - usage) for limit, usage in _cgroup_limits(root)]
+    return min(headrooms) if headrooms else None
+
+
+def _cgroup_limits(root: Path) -> list[tuple[int, int]]:
+    """The memory limit and the usage of each level of the process's cgroup that sets a limit (see
+    :func:`_cgroup_headroom`)."""
     base = root / "sys" / "fs" / "cgroup"
     v2, v1 = _own_cgroup(root)
     levels: list[tuple[Path, str, str]] = []
@@ -156,12 +182,12 @@ def _cgroup_headroom(root: Path) -> int | None:
         levels = [(d, "memory.max", "memory.current") for d in _upwards(base, v2)]
     elif (base / "memory").is_dir():  # v1: the memory controller's own hierarchy
         levels = [(d, "memory.limit_in_bytes", "memory.usage_in_bytes") for d in _upwards(base / "memory", v1)]
-    headrooms = []
+    limits = []
     for directory, limit_file, usage_file in levels:
         limit = _number(directory / limit_file)
         if limit is not None:
-            headrooms.append(max(0, limit - (_number(directory / usage_file) or 0)))
-    return min(headrooms) if headrooms else None
+            limits.append((limit, _number(directory / usage_file) or 0))
+    return limits
 
 
 def _own_cgroup(root: Path) -> tuple[str, str]:
@@ -185,13 +211,18 @@ def _upwards(base: Path, own: str) -> list[Path]:
     return [level for level in levels if level.is_dir()]
 
 
-def _psutil_available() -> int | None:
-    """psutil's ``virtual_memory().available`` where psutil is installed (it reads macOS's and Windows' own)."""
+def _psutil_figure(name: str) -> int | None:
+    """psutil's ``virtual_memory().<name>`` (``available``, ``total``) where psutil is installed (it reads macOS's
+    and Windows' own)."""
     try:
         psutil = importlib.import_module("psutil")
-        return int(psutil.virtual_memory().available)
+        return int(getattr(psutil.virtual_memory(), name))
     except Exception:  # not installed, or it cannot read this platform: no figure
         return None
+
+
+def _psutil_available() -> int | None:
+    return _psutil_figure("available")
 
 
 def pinned_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -51,12 +51,17 @@ def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "each plan along the ladder, and recommend the fastest plan predicted to fit the GPU.",
     )
     plan.add_argument("--model", required=True, help="a preset (" + ", ".join(_presets()) + ") or a config.json")
-    plan.add_argument("--gpu-memory", default="6GiB", help="the GPU's total memory, e.g. 6GiB (default: 6GiB)")
+    plan.add_argument(
+        "--gpu-memory",
+        default="6GiB",
+        help="the GPU's total memory, with its unit: 6GiB (6 x 2**30 bytes, a '6 GB' card) or 6GB (6 x 10**9 bytes) "
+        "(default: 6GiB)",
+    )
     plan.add_argument(
         "--host-memory",
         default=None,
-        help="the host memory (RAM) the guard may fill with what it offloads, e.g. 16GiB (default: what this "
-        "machine has available, less the guard's margin)",
+        help="the host memory (RAM) the guard may fill with what it offloads, e.g. 16GiB (default: this machine's "
+        "RAM less 10%% or 1 GiB, whichever is larger)",
     )
     plan.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step (default: 8)")
     plan.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default: 1024)")
@@ -89,6 +94,7 @@ def _add_plan(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     plan.add_argument(
         "--json", action="store_true", help="print the answer as strict JSON (a non-finite number is null)"
     )
+    plan.add_argument("--table", action="store_true", help="after the answer, the table of every plan measured")
     plan.set_defaults(run=_run_plan)
 
 
@@ -126,10 +132,11 @@ def _presets() -> list[str]:
 def _run_plan(args: argparse.Namespace) -> int:
     import json
 
-    from oomguard._backends.host import machine_host_budget
+    from oomguard._cli import planning
     from oomguard._events import strict_json
     from oomguard._planner.api import plan
     from oomguard._planner.lora import ALL_LINEAR
+    from oomguard._planner.report import size_in_gib
     from oomguard._planner.speed import DeviceSpeed
 
     given = {"gpu_tflops": args.gpu_tflops, "link_gbps": args.link_gbps}
@@ -140,19 +147,28 @@ def _run_plan(args: argparse.Namespace) -> int:
         bad_input("plan", "--base-dtype says how a LoRA fine-tune's frozen base is loaded: give --lora-rank R too")
     targets = args.lora_targets or ALL_LINEAR
     targets = targets if targets == ALL_LINEAR else _names(targets)
-    host_memory = args.host_memory if args.host_memory is not None else machine_host_budget()
+    planning.check_shape(args.batch_size, args.seq_len)
+    planning.check_model(args.model, _presets())
+    gpu_memory, said = planning.memory_size("--gpu-memory", args.gpu_memory)
+    host_memory, host = planning.host_memory(args.host_memory)
+    what = f"{args.model}, {args.batch_size} x {args.seq_len} tokens, a {size_in_gib(gpu_memory)} GPU"
     try:
         speed = DeviceSpeed(**{name: value for name, value in given.items() if value is not None})
-        report = plan(
-            args.model, gpu_memory=args.gpu_memory, batch_size=args.batch_size, seq_len=args.seq_len,
-            optimizer=args.optimizer, target=args.target, bf16=args.bf16, max_grad_norm=args.max_grad_norm,
-            speed=speed, ladder=ladder, lora_rank=args.lora_rank, lora_targets=targets, host_memory=host_memory,
-            exact=args.exact, base_dtype=args.base_dtype,
-        )  # fmt: skip
+        with planning.progress(what):
+            report = plan(
+                args.model, gpu_memory=gpu_memory, batch_size=args.batch_size, seq_len=args.seq_len,
+                optimizer=args.optimizer, target=args.target, bf16=args.bf16, max_grad_norm=args.max_grad_norm,
+                speed=speed, ladder=ladder, lora_rank=args.lora_rank, lora_targets=targets, host_memory=host_memory,
+                exact=args.exact, base_dtype=args.base_dtype,
+            )  # fmt: skip
     except ValueError as error:  # bad input: a model, a config.json or an argument the planner cannot use
         bad_input("plan", error)
-    # --json is strict JSON (what jq reads): a predicted time past the float range is null, named in non_finite
-    print(json.dumps(strict_json(report.to_dict()), indent=2, allow_nan=False) if args.json else report.table())
+    except ImportError as error:  # an extra not installed: its message names the `pip install` that fixes it
+        bad_input("plan", error)
+    if args.json:  # strict JSON (what jq reads): a predicted time past the float range is null, named in non_finite
+        print(json.dumps(strict_json(report.to_dict()), indent=2, allow_nan=False))
+    else:
+        print("\n".join(filter(None, (report.answer(host), said, "\n" + report.table() if args.table else None))))
     return 0 if report.fits else 1
 
 
@@ -168,6 +184,8 @@ def _run_report(args: argparse.Namespace) -> int:
         log = read_log(args.log)
     except OSError as error:
         bad_input("report", f"cannot read {args.log}: {error.strerror or error}")
+    if log.skipped and not log.events:  # (an empty log is a job that logged nothing yet: its table says so)
+        bad_input("report", f"{args.log} is not an oomguard event log ({log.skipped_line()}): give a job's log_file=")
     print(table(tallied(log.events)))
     try:
         if args.plot:

@@ -124,6 +124,7 @@ class OOMGuard:
         self._replay: _Replay | None = None  # the step whose gradients accumulate() recomputes (protected_step)
         # A guard that is dropped undoes what its plan did to the model, as close() does (not at exit).
         weakref.finalize(self, self.effects.undo_when_dropped).atexit = False
+        weakref.finalize(self, self._emit.held.write)  # (the last step's progress, where log_every left it out)
 
     # -- public state -----------------------------------------------------------------------------------
     @property
@@ -166,6 +167,7 @@ class OOMGuard:
     def close(self) -> None:
         """Undo every effect of the current plan (checkpointing off, offloaded tensors back on the device); the
         guard stays usable: the next call re-applies its plan."""
+        self._emit.flush()  # the last step's progress, where log_every left it out
         self.effects.close()
         if self._runner.agreement is not None:
             self._runner.agreement.close()  # (FSDP2: its own comms back)
@@ -328,9 +330,10 @@ class OOMGuard:
             self._buckets.tuned(tuned.bucket, tuned.plan)
             self._emit(tuned.event(call.step, call.size, snapshot(call.backend)))
         log_every = self.options.log_every
-        if log_every is not None and (result.step < log_every or result.step % log_every == 0 or call.tried):
+        if log_every is not None:  # (one not logged is held: logged at close, drop or exit if no step follows)
+            logged = result.step < log_every or result.step % log_every == 0 or call.tried
             memory = dataclasses.replace(snapshot(call.backend), peak=output.peak)
-            self._emit(
+            (self._emit if logged else self._emit.hold)(
                 ProgressEvent(
                     result.step,
                     plan.to_dict(),

@@ -192,7 +192,19 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        """The inverse of :meth:`to_dict`; unknown keys are an error."""
+        """The inverse of :meth:`to_dict`; unknown keys are an error.
+
+        Also reads a plan as ``oomguard plan --json`` writes it (its ``"plan"``), which adds what the plan makes of
+        the batch planned: ``micro_batches`` and ``rungs`` are read over, except that one micro-batch is the whole
+        batch (its ``micro_batch_size`` there is the batch's size).
+
+        >>> Plan.from_dict({"micro_batch_size": 8, "micro_batches": 1, "rungs": []}) == Plan()
+        True
+        """
+        if "micro_batches" in data:  # (planned: see above)
+            whole = data["micro_batches"] == 1
+            data = {key: value for key, value in data.items() if key not in ("micro_batches", "rungs")}
+            data = {**data, "micro_batch_size": None} if whole else data
         names = {f.name for f in dataclasses.fields(cls)}
         # (a built-in rung without a field of its own is written under its name: its level goes to ``extras``)
         levels = {key: value for key, value in data.items() if _kept_in_extras(key) and key not in names}

@@ -6,10 +6,11 @@ documented constants below, and a plan fits only if its peak plus that overhead 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from oomguard._backends.units import MiB, format_bytes
+from oomguard._backends.units import GiB, MiB, format_bytes
 from oomguard._ladder.plan import Phase, Plan
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "PlanReport",
     "Target",
     "device_overhead",
+    "plan_code",
+    "size_in_gib",
     "tensor_budget",
 ]
 
@@ -196,6 +199,57 @@ class PlanReport:
             "confirmed": self.confirmed,
         }
 
+    def answer(self, host: str | None = None) -> str:
+        """The answer first, in a few lines: whether a plan fits and which, its device and host peaks and predicted
+        step, and the line that starts a guarded job on it (:meth:`table` lists every plan measured). Sizes are in
+        GiB. ``host``: how the host budget was chosen, said beside it.
+
+        >>> measured = Candidate(Plan(micro_batch_size=2), 4 * GiB, 960 * MiB, True, None, 0, 1.25, GiB)
+        >>> report = PlanReport("gpt2", 6 * GiB, "cuda", 8, 1024, "AdamW", (measured,), measured.plan, 9.5,
+        ...                     fake_steps=7)
+        >>> print(report.answer())
+        gpt2: a batch of 8 x 1024 tokens, AdamW, on a 6.00 GiB CUDA device
+        Fits: micro-batches of 2 (x4)
+        Device peak: 4.94 GiB of 6.00 GiB (4.00 GiB of tensors + 0.94 GiB CUDA context, workspace and allocator)
+        Host peak: 1.00 GiB (no host budget)
+        Predicted step: 1.25 s, the fastest fitting plan by the device model
+        In your code: train_step.guard.plan = Plan(micro_batch_size=2)
+          (train_step: the function you decorated with @oom_guard; from oomguard import Plan)
+        (planned in 9.5 s on fake tensors: 7 steps)
+        """
+        chosen, device = self.chosen, "simulated device" if self.target == "simulated" else "CUDA device"
+        shape = f"{self.batch_size} x {self.seq_len} tokens" if self.seq_len else f"{self.batch_size} samples"
+        lines = [
+            f"{self.model}: a batch of {shape}, {self.optimizer}, on a {size_in_gib(self.capacity_bytes)} {device}"
+        ]
+        if self.recommended is None:
+            lines += [f"Does not fit: {self.reason}", f"Closest plan tried: {chosen.plan.describe(self.batch_size)}"]
+        else:
+            lines.append(f"Fits: {self.recommended.describe(self.batch_size)}")
+        total, peak = chosen.peak_bytes + chosen.device_overhead_bytes, size_in_gib(chosen.peak_bytes)
+        overhead = (
+            f" ({peak} of tensors + {size_in_gib(chosen.device_overhead_bytes)} CUDA context, workspace and allocator)"
+        )
+        lines.append(
+            f"Device peak: {size_in_gib(total)} of {size_in_gib(self.capacity_bytes)}"
+            + overhead * (self.target == "cuda")
+        )
+        budget = "(no host budget)" if self.host_budget_bytes is None else f"of {size_in_gib(self.host_budget_bytes)}"
+        lines.append(f"Host peak: {size_in_gib(chosen.host_bytes)} {budget}" + (f" ({host})" if host else ""))
+        if self.recommended is None:
+            lines.append(
+                "What to do: a smaller batch or sequence, a smaller model or a larger device"
+                + (" (or more host memory, or quantized_optimizer on the ladder)" * (not chosen.host_fits))
+            )
+        else:
+            lines += [
+                f"Predicted step: {chosen.predicted_seconds:.2f} s, the fastest fitting plan by the device model",
+                f"In your code: train_step.guard.plan = {plan_code(self.recommended)}",
+                "  (train_step: the function you decorated with @oom_guard; from oomguard import Plan)",
+            ]
+        lines.append(f"(planned in {self.seconds:.1f} s on fake tensors: {self.fake_steps} steps)")
+        return "\n".join(lines)
+
     def table(self) -> str:
         """A readable report: every plan measured, and the recommendation."""
         shape = f"{self.batch_size} x {self.seq_len} tokens" if self.seq_len else f"{self.batch_size} samples"
@@ -252,6 +306,27 @@ class PlanReport:
             format_bytes(c.host_bytes),
         )
         return f"| {name} | {format_bytes(c.peak_bytes)} | {total} | {host} | {moved} | {seconds} | {verdict} |"
+
+
+def plan_code(plan: Plan) -> str:
+    """The Python that makes ``plan``: its fields that differ from ``Plan()``'s.
+
+    >>> plan_code(Plan(micro_batch_size=2, precision="bf16"))
+    "Plan(micro_batch_size=2, precision='bf16')"
+    """
+    default = Plan()
+    shown = [
+        f"{field.name}={getattr(plan, field.name)!r}"
+        for field in dataclasses.fields(plan)
+        if getattr(plan, field.name) != getattr(default, field.name)
+    ]
+    return f"Plan({', '.join(shown)})"
+
+
+def size_in_gib(nbytes: int) -> str:
+    """A size in GiB, as the answer states sizes (two decimals: 5.59 GiB is 6 GB); below a tenth of one (a simulated
+    device's), as :func:`format_bytes` says it."""
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB / 10 else format_bytes(nbytes)
 
 
 def _plan_dict(plan: Plan, size: int) -> dict[str, Any]:
