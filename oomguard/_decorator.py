@@ -76,9 +76,12 @@ def oom_guard(fn: Callable[[Any], Any] | None = None, /, **options: Any) -> Any:
         log_file: append every event (oom, fallback, recovered, relax, exhausted, progress) to this file as
             JSON lines.
         ladder: rung names or rung objects (see :class:`Rung`), in order; default: every built-in rung that is
-            exact or says what it changes, ``["micro_batch", "amp", "checkpointing", "activation_offload",
-            "optimizer_offload", "layer_offload"]``; the opt-in rungs (``"quantized_optimizer"``,
-            ``"quantized_weights"``) change the maths beyond mixed precision and join only when listed.
+            exact or says what it changes, ``["chunked_loss", "micro_batch", "amp", "checkpointing",
+            "activation_offload", "optimizer_offload", "layer_offload"]``. ``amp`` (mixed precision: bf16, or fp16
+            with a gradient scaler) changes the maths and comes before the exact rungs after it: leave it out of
+            the ladder to keep a job's maths exact. The opt-in rungs
+            (``"quantized_optimizer"``, ``"quantized_weights"``) change the maths beyond mixed precision and join
+            only when listed.
         max_grad_norm: clip the gradient norm of the whole batch to this before stepping.
         count_items: how many items a batch's mean loss averages over, e.g. ``lambda b: b["mask"].sum()``.
             Micro-batch losses are weighted by their share of items. By default: counted ``labels`` tokens for

@@ -70,3 +70,39 @@ def test_make_demo_installs_the_demo_extra_not_the_test_toolchain(tmp_path: Path
     assert "transformers" in demo, "the demo's Llama"
     assert not demo & {"pytest", "mypy", "ruff", "mkdocs", "trl", "datasets", "peft", "accelerate"}, demo
     assert demo <= _extra("test"), "make test installs what the demo needs too"
+
+
+def test_the_ladder_option_names_the_default_ladder() -> None:
+    """Before: the `ladder` docstring left out chunked_loss, the default ladder's first rung."""
+    from oomguard._ladder.ladder import resolve_ladder
+
+    doc = " ".join((oomguard.oom_guard.__doc__ or "").split())
+    listed = doc.split("ladder: ", 1)[1].split("``[", 1)[1].split("]``", 1)[0]
+    assert [name.strip(' "') for name in listed.split(",")] == list(resolve_ladder(None).names)
+    assert "``amp`` (mixed precision" in doc and "changes the maths" in doc
+
+
+def test_the_api_page_gives_every_guard_option_its_type_and_default() -> None:
+    """Before: mkdocstrings showed all 28 options of oom_guard as "required", without a type: the signature it
+    reads from the source is ``(fn=None, /, **options)``."""
+    import dataclasses
+    import sys
+
+    import griffe
+
+    sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+    try:
+        from options import GuardOptionsSignature
+    finally:
+        sys.path.remove(str(ROOT / "docs" / "_ext"))
+    package = griffe.load("oomguard", search_paths=[ROOT], extensions=griffe.load_extensions(GuardOptionsSignature))
+    from oomguard._options import GuardOptions
+
+    fields = {f.name: f for f in dataclasses.fields(GuardOptions) if f.init}
+    for path in ("_decorator.oom_guard", "_guard.guard.OOMGuard.__init__"):
+        parameters = {p.name: p for p in package.get_member(path).parameters if p.kind.name == "keyword_only"}
+        assert list(parameters) == list(fields), path
+        assert all(p.annotation is not None for p in parameters.values()), path
+        required = [name for name, p in parameters.items() if p.default is None]
+        assert required == ["model", "optimizer"], required
+        assert str(parameters["max_attempts"].default) == "256" and str(parameters["ladder"].default) == "None"
