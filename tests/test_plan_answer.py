@@ -131,9 +131,11 @@ def test_the_answer_comes_first_and_says_how_to_start_on_its_plan(
     assert "| plan |" not in out and len(lines) == 9 and max(map(len, lines[1:])) <= 120, out
     assert main(argv) == 0, "(this machine's RAM less its margin)"
     assert "GiB of RAM less 10%, at least 1 GiB)" in capsys.readouterr().out
-    assert main([*argv, "--table"]) == 0
+    preset = ["plan", "--model", "gpt2", "--batch-size", "1", "--seq-len", "16", "--gpu-memory", "80GiB", "--table"]
+    assert main(preset) == 0
     tabled = capsys.readouterr().out
-    assert tabled.startswith(lines[0]) and tabled.index("In your code:") < tabled.index("| plan | tensor peak |")
+    assert tabled.startswith("gpt2: a batch of 1 x 16 tokens, AdamW, on a 80.00 GiB CUDA device\nFits: whole batch\n")
+    assert tabled.index("In your code: train_step.guard.plan = Plan()") < tabled.index("| plan | tensor peak |")
 
 
 def test_plan_from_dict_of_the_json_plan_starts_a_guard_on_it(
