@@ -34,8 +34,9 @@ class LayerOffload(Rung):
     trade: ClassVar[Trade] = "off_or_level"
     ends: ClassVar[Mapping[str, int]] = {"quantized_optimizer": 0, "quantized_weights": 0}
     # Its saved-tensor hook must see the copies of streamed weights before activation offload would move them to
-    # the host; optimizer offload moves back the state of the layers it restores.
-    effect_before: ClassVar[tuple[str, ...]] = ("activation_offload", "optimizer_offload")
+    # the host; optimizer offload moves back the state of the layers it restores, and amp holds the frozen weights
+    # of the blocks it brings back in half precision again (before the step, not one step late).
+    effect_before: ClassVar[tuple[str, ...]] = ("activation_offload", "optimizer_offload", "amp")
 
     def level(self, plan: Plan, batch_size: int) -> int:
         return plan.offload_layers
