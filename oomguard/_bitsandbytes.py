@@ -15,9 +15,9 @@ buffers. What follows for the guard:
 * The guard's ``quantized_weights`` leaves them as they are (:func:`is_4bit`), and so does ``amp``: autocast casts no
   4-bit weight, and a 4-bit layer computes in its ``compute_dtype`` (bf16, QLoRA's: the same bits with and without
   autocast; fp32: a bf16 product under autocast, as any fp32 linear layer's).
-* bitsandbytes cannot make a ``Params4bit`` of a fake tensor: the planner's fake of one (:func:`fake_4bit`) is a plain
-  frozen parameter of the packed shape with the weight's attributes and a copy of its quant state made of fakes, with
-  which the real ``Linear4bit`` computes through bitsandbytes' registered fake kernels.
+* bitsandbytes cannot make a ``Params4bit`` of a fake tensor: the planner's fake of one (:func:`fake_parameter`) is a
+  plain frozen parameter of the packed shape with the weight's attributes and a copy of its quant state made of
+  fakes, with which the real ``Linear4bit`` computes through bitsandbytes' registered fake kernels.
 
 bitsandbytes is never imported here: a 4-bit weight is known by the attribute every ``Params4bit`` has.
 """
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["fake_4bit", "four_bit_weights", "is_4bit", "quant_state_tensors", "tell_once"]
+__all__ = ["fake_parameter", "four_bit_weights", "is_4bit", "quant_state_tensors", "tell_once"]
 
 logger = logging.getLogger("oomguard")
 
@@ -67,13 +67,16 @@ def _state_tensors(state: object) -> list[torch.Tensor]:
     return found
 
 
-def fake_4bit(
-    weight: torch.Tensor, codes: torch.Tensor, fake: Callable[[torch.Tensor], torch.Tensor]
+def fake_parameter(
+    weight: torch.nn.Parameter, codes: torch.Tensor, fake: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.nn.Parameter:
-    """The planner's fake of the 4-bit ``weight``: ``codes`` (a fake of its packed codes) as a frozen parameter with
-    the weight's attributes and a copy of its quant state whose tensors are their fakes (``fake``). The layer reads
-    the weight's quant state before its own (``Linear4bit.quant_state``, the same object as the real weight's), so
-    nothing real is computed with; nothing of the real weight is held but its plain attributes."""
+    """The planner's fake of the parameter ``weight``: ``codes`` (a fake of its data) as a parameter that requires
+    grad as it does. For a 4-bit weight, a frozen one with the weight's attributes and a copy of its quant state
+    whose tensors are their fakes (``fake``): the layer reads the weight's quant state before its own
+    (``Linear4bit.quant_state``, the same object as the real weight's), so nothing real is computed with; nothing of
+    the real weight is held but its plain attributes."""
+    if not is_4bit(weight):
+        return torch.nn.Parameter(codes, requires_grad=weight.requires_grad)
     made = torch.nn.Parameter(codes, requires_grad=False)
     vars(made).update({key: value for key, value in vars(weight).items() if key not in ("quant_state", "module")})
     made.quant_state = _faked_state(getattr(weight, "quant_state", None), fake)  # type: ignore[attr-defined]

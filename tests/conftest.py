@@ -7,6 +7,11 @@ import os
 import signal
 from collections.abc import Iterator
 
+# No test reaches the network. On a CPU with AVX-512 bf16, bitsandbytes fetches its CPU kernel from the Hugging Face
+# hub as it is imported (``kernels.get_kernel``, which asks only the local cache where the hub is offline; it then
+# computes with its own kernels). The hub reads this as huggingface_hub is imported: before any test imports it.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 import pytest
 import torch
 

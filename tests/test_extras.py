@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: ``importlib.util.find_spec`` answers None (torch asks that of numpy, and imports on without it).
 _WITHOUT_EXTRAS = """
 import sys
-MISSING = ("transformers", "accelerate", "trl", "peft", "datasets", "matplotlib", "pynvml", "tenacity", "numpy")
+MISSING = ("transformers", "accelerate", "trl", "peft", "bitsandbytes", "datasets", "matplotlib", "pynvml", "tenacity",
+           "numpy")
 sys.modules.update(dict.fromkeys((*MISSING, "psutil")))
 """
 
@@ -37,8 +38,10 @@ def test_the_only_hard_requirement_is_torch() -> None:
     required = [line.strip() for line in config["options"]["install_requires"].splitlines() if line.strip()]
     assert [line.split(">")[0].split("=")[0] for line in required] == ["torch"]
     extras = config["options.extras_require"]
-    assert {"hf", "trl", "peft", "plot", "nvml", "test"} <= set(extras)
+    assert {"hf", "trl", "peft", "qlora", "plot", "nvml", "test"} <= set(extras)
     assert "transformers" in extras["hf"] and "nvidia-ml-py" in extras["nvml"]
+    assert {"peft", "bitsandbytes"} <= {line.split(">")[0].strip() for line in extras["qlora"].splitlines()}
+    assert "bitsandbytes" in extras["test"], "CI installs it: the QLoRA tests run there"
 
 
 @pytest.mark.subprocess
@@ -59,7 +62,7 @@ def test_a_guarded_step_recovers_and_plans_with_torch_alone() -> None:
             gpu.adopt(model)
             result = step((torch.randn(256, 64), torch.randn(256, 1)))
         assert result.ooms >= 1 and result.micro_batches > 1, result
-        for name in ("transformers", "accelerate", "pynvml", "tenacity", "numpy", "psutil"):
+        for name in ("transformers", "accelerate", "bitsandbytes", "pynvml", "tenacity", "numpy", "psutil"):
             assert sys.modules.get(name) is None, name  # (never imported: a None stays None)
         try:
             oomguard.plan("gpt2", gpu_memory="6GiB")

@@ -256,9 +256,9 @@ class AccountedDevice(HostFigures):
     def adopt(self, *objects: torch.nn.Module | torch.Tensor | torch.optim.Optimizer | Iterable[Any]) -> None:
         """Count already existing tensors as resident on the device, as ``model.to("cuda")`` would.
 
-        Accepts modules (parameters, their gradients and buffers), optimizers (their state tensors), tensors
-        and iterables of these. Storages already counted are skipped. Raises ``torch.OutOfMemoryError`` if they
-        do not fit, leaving nothing adopted.
+        Accepts modules (parameters, their gradients and buffers, and the quantization state of bitsandbytes 4-bit
+        weights), optimizers (their state tensors), tensors and iterables of these. Storages already counted are
+        skipped. Raises ``torch.OutOfMemoryError`` if they do not fit, leaving nothing adopted.
         """
         tensors: list[torch.Tensor] = []
         for obj in objects:

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import (
 from torch.utils._pytree import tree_map
 
 from oomguard._backends.units import format_bytes
+from oomguard._bitsandbytes import quant_state_tensors
 
 __all__: list[str] = []
 
@@ -185,11 +186,13 @@ def aligned(nbytes: int) -> int:
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
-    """The tensors of what ``adopt`` takes: a module's parameters, buffers and gradients, an optimizer's state."""
+    """The tensors of what ``adopt`` takes: a module's parameters, buffers and gradients (and the quantization state
+    of its bitsandbytes 4-bit weights, resident beside them), an optimizer's state."""
     if isinstance(obj, torch.Tensor):
         return plain_tensors(obj)
     if isinstance(obj, torch.nn.Module):
         found = list(obj.parameters()) + list(obj.buffers())
+        found += [t for p in obj.parameters() for t in quant_state_tensors(p)]  # (bitsandbytes' 4-bit weights)
         return tensors_of(found + [p.grad for p in obj.parameters() if p.grad is not None])
     if isinstance(obj, torch.optim.Optimizer):
         return tensors_of([v for state in obj.state.values() for v in state.values() if isinstance(v, torch.Tensor)])

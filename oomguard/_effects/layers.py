@@ -64,6 +64,15 @@ class _Block:
     arriving: list[Callable[[], None]] = field(default_factory=list)
 
 
+def _resizable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, whose storage the offloader empties and refills; where that storage cannot be resized (a weight
+    mapped from a file: a model ``from_pretrained`` loaded on the CPU, under a SimulatedGPU) a copy of it in one that
+    can, made before the block changes (an out-of-memory error here leaves it as it was), the mapped one let go
+    with the parameter's data. A bitsandbytes 4-bit weight is streamed as its packed codes, through ``.data``: its
+    quantization state stays on the device, and ``Params4bit.to``, which moves that shared state, is never called."""
+    return tensor if tensor.untyped_storage().resizable() else tensor.clone()
+
+
 class LayerOffloader:
     """Keeps the parameters, gradients and optimizer state of ``blocks`` in host memory.
 
@@ -84,9 +93,11 @@ class LayerOffloader:
         return {id(item.device.untyped_storage()) for block in self.blocks for item in block.params}
 
     def add(self, module: torch.nn.Module) -> None:
-        """Offload one more block. Only host memory is allocated, so this cannot run the device out of memory."""
+        """Offload one more block. Only host memory is allocated, but for the copy of a weight whose storage cannot
+        be resized (:func:`_resizable`), made before anything changes: an out-of-memory error leaves the block as it
+        was."""
         params = [  # a parameter shared with a block already offloaded is streamed by that block
-            _Streamed(p, self.backend.to_host(p.data), p.data)
+            _Streamed(p, self.backend.to_host(p.data), _resizable(p.data))
             for p in module.parameters()
             if id(p) not in self.streamed
         ]

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, TypeVar
 from oomguard._backends.accounting import AccountedDevice
 from oomguard._backends.host import host_budget
 from oomguard._backends.memory import MemoryBackend, current_backend, snapshot
+from oomguard._bitsandbytes import tell_once
 from oomguard._distributed.agreement import unwrap
 from oomguard._distributed.choice import agreement_for
 from oomguard._errors import GuardConfigError
@@ -80,6 +81,7 @@ class OOMGuard:
         self._runner = build_runner(step_fn, self.options)
         self.effects, self.transaction = self._runner.effects, self._runner.transaction
         self._context = model_context(self._runner)
+        tell_once(self.effects.target.model, self.ladder.names, self._context.frozen_linears)  # (bitsandbytes' 4-bit)
         self._device = next(self.model.parameters()).device
         self._buckets = Buckets(
             self.ladder,

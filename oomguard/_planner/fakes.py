@@ -21,9 +21,10 @@ import torch.optim.optimizer as torch_optimizer
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
-from oomguard._backends.dispatch import plain_tensors
+from oomguard._backends.dispatch import tensors_of
 from oomguard._backends.memory import MemoryBackend
 from oomguard._backends.units import available_bytes, format_bytes, requested_bytes, rounding_of_figures
+from oomguard._bitsandbytes import fake_parameter
 from oomguard._distributed.agreement import ddp_of, quiet_ddp
 from oomguard._effects.blocks import find_blocks
 from oomguard._effects.effects import Effects
@@ -302,9 +303,9 @@ def _limit(total: int, device: torch.device, target: Target) -> int:
 
 def _resident_bytes(backend: MemoryBackend, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Device bytes held by the model and the optimizer state: the planner measures these itself."""
-    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    plain = [inner for t in tensors for inner in plain_tensors(t)]  # (a quantized weight's: its codes)
+    state = [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    # (a quantized weight's: its codes; a bitsandbytes 4-bit weight's: its quantization state too)
+    plain = tensors_of(model) + tensors_of(state)
     storages = {id(t.untyped_storage()): t.untyped_storage() for t in plain if backend.is_device(t)}
     return sum(int(s.nbytes()) for s in storages.values())
 
@@ -324,8 +325,8 @@ def _faked(
         def fake(tensor: torch.Tensor) -> torch.Tensor:
             if id(tensor) not in fakes:  # on the CPU: the planner's accounting tracks CPU tensors
                 made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
-                if isinstance(tensor, torch.nn.Parameter):
-                    made = torch.nn.Parameter(made, requires_grad=tensor.requires_grad)
+                if isinstance(tensor, torch.nn.Parameter):  # (a bitsandbytes 4-bit weight's: a stand-in)
+                    made = fake_parameter(tensor, made, fake)
                 fakes[id(tensor)] = made
             return fakes[id(tensor)]
 
