@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,10 @@ def test_a_base_dtype_the_planner_cannot_load_is_a_clear_error(given: dict[str, 
         plan(given.pop("model", TINY), gpu_memory="1GiB", batch_size=1, seq_len=8, **given)
 
 
-def test_the_cli_takes_base_dtype_with_lora_rank_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_takes_base_dtype_with_lora_rank_only_and_plans_nf4_without_bitsandbytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # (an import of it raises ImportError: not installed)
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**TINY, "torch_dtype": "bfloat16"}))
     with pytest.raises(SystemExit, match="--base-dtype says how a LoRA fine-tune's frozen base is loaded"):
