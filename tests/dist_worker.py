@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers.batches import ragged_lm_batch, tuple_batch
-from helpers.models import make_mlp, make_qwen2
+from helpers.models import make_llama, make_mlp, make_qwen2
 from helpers.steps import LADDER_WITHOUT_OPTIMIZER_OFFLOAD
 
 from oomguard import OOMGuard, Plan
@@ -95,10 +95,43 @@ def chunked_main(rank: int, world: int, out: Path) -> None:
     (out / f"report{rank}.json").write_text(json.dumps(report))
 
 
+def tiled_main(rank: int, world: int, out: Path) -> None:
+    """A Llama under DDP, its ladder tiled_mlp alone: in step 1, rank 1's first allocation inside block 0's MLP
+    fails; both ranks then run every MLP in the same number of chunks. Both write their weights and plans."""
+    model = make_llama()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gpu = SimulatedGPU("64MiB")
+    armed, step_index = [False], [0]
+
+    def mlp_fault(module: torch.nn.Module, args: Any) -> None:
+        if rank == 1 and step_index[0] == 1 and not armed[0]:
+            armed[0] = True
+            gpu.fail_allocation(1)
+
+    model.model.layers[0].mlp.register_forward_pre_hook(mlp_fault)
+    guard = OOMGuard(lambda batch: ddp(**batch), model=ddp, optimizer=optimizer, ladder=["tiled_mlp"])
+    report: dict[str, Any] = {"steps": []}
+    with gpu:
+        gpu.adopt(model)
+        for step, batch in enumerate(chunked_batches(rank, world)):
+            step_index[0] = step
+            result = guard(batch)
+            report["steps"].append({"plan": result.plan.describe(), "ooms": result.ooms, "rungs": result.rungs})
+    guard.close()
+    report["fault_fired"] = armed[0] and not gpu.fault_pending
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"weights{rank}.pt")
+    (out / f"report{rank}.json").write_text(json.dumps(report))
+
+
 def main(rank: int, world: int, init_method: str, out: Path, mode: str) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     if mode == "chunked":
         chunked_main(rank, world, out)
+        dist.barrier()
+        return
+    if mode == "tiled":
+        tiled_main(rank, world, out)
         dist.barrier()
         return
     if mode == "hang":  # the harness's own check: rank 1 never joins the collective, rank 0 waits forever

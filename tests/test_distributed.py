@@ -127,6 +127,32 @@ def test_two_ranks_on_the_chunked_loss_agree_and_equal_a_single_process_run(tmp_
         torch.testing.assert_close(weights[0][name], value, rtol=1e-4, atol=1e-5)
 
 
+def test_two_ranks_on_the_tiled_mlp_agree_on_one_shard_count_and_equal_a_single_process_run(tmp_path: Path) -> None:
+    """A Llama under DDP, its ladder tiled_mlp alone: rank 1 runs out of memory in block 0's MLP in step 1 and both
+    ranks tile every MLP in the same number of chunks from there; the chunks' weight gradients, handed to autograd
+    once per parameter, reach DDP's all-reduce (else the replicas would part) and train as one process does."""
+    from dist_worker import chunked_batches
+    from helpers.models import make_llama
+
+    codes, hung = launch(WORKER, tmp_path, "tiled", timeout=180)
+    assert not hung and codes == [0, 0], "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+    rank0, rank1 = reports(tmp_path)
+    assert rank1["fault_fired"] and rank0["steps"] == rank1["steps"], "the ranks agreed on every plan"
+    assert [s["ooms"] for s in rank0["steps"]] == [0, 1, 0]
+    assert [s["rungs"] for s in rank0["steps"]] == [[], ["tiled_mlp"], ["tiled_mlp"]], rank0["steps"]
+    weights = [torch.load(tmp_path / f"weights{rank}.pt") for rank in range(WORLD)]
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), f"{name} differs between the ranks"
+    reference = make_llama()  # one process, the whole global batch, untiled
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for batch in chunked_batches():
+        optimizer.zero_grad()
+        reference(**batch).loss.backward()
+        optimizer.step()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(weights[0][name], value, rtol=1e-4, atol=1e-5)
+
+
 def test_the_agreement_allocates_no_device_memory(agreed_run: Path) -> None:
     assert [r["agreement_allocations"] for r in reports(agreed_run)] == [0, 0]
 
