@@ -140,6 +140,7 @@ def test_two_ranks_on_the_tiled_mlp_agree_on_one_shard_count_and_equal_a_single_
     assert rank1["fault_fired"] and rank0["steps"] == rank1["steps"], "the ranks agreed on every plan"
     assert [s["ooms"] for s in rank0["steps"]] == [0, 1, 0]
     assert [s["rungs"] for s in rank0["steps"]] == [[], ["tiled_mlp"], ["tiled_mlp"]], rank0["steps"]
+    assert all("MLP tiled x2" in s["plan"] for s in rank0["steps"][1:]), "the first level: 2 chunks"
     weights = [torch.load(tmp_path / f"weights{rank}.pt") for rank in range(WORLD)]
     for name in weights[0]:
         assert torch.equal(weights[0][name], weights[1][name]), f"{name} differs between the ranks"
