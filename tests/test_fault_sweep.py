@@ -10,8 +10,9 @@ succeeded, one Adam step and one scheduler step, and device memory back to where
 ``-m slow`` sweeps every allocation: of two steps of a tiny block MLP (the first, when Adam builds its state,
 and a steady-state one) on every configuration, of the first step of a tiny transformers Llama, of the first
 step of a tiny Qwen2 on the chunked_loss rung (alone and with micro-batches), and of two steps on one of two gloo
-ranks. The default run samples the edges of every phase (see ``DEFAULT_SAMPLES``). Double
-faults (an OOM while the guard is recovering from one) are at the end.
+ranks. The default run samples the edges of every phase (see ``DEFAULT_SAMPLES``). A PEFT LoRA's and a QLoRA's
+first step (adapters on a bitsandbytes NF4 base) are swept at the last allocation of each phase (``-m slow``: the
+edges of every phase of two steps). Double faults (an OOM while the guard is recovering from one) are at the end.
 
 Host faults (``SimulatedGPU.fail_host_allocation``: a failed pinned allocation, a host ``MemoryError``) on the
 offload rungs' plans are swept too (tests/helpers/hostsweep.py): host memory is not relieved down the ladder, so
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import helpers.hostsweep
+import helpers.qlora
 import helpers.sweep
 import pytest
 import torch
@@ -305,6 +307,46 @@ def test_a_llama_step_survives_an_oom_in_the_transformers_paths() -> None:
     micro-batches of a ragged batch."""
     plan = Plan(micro_batch_size=2, checkpointing="partial")
     check_sweep(LLAMA, "micro-batches, checkpointing partial", plan, llama_sample, {"split", "optimizer"}, steps=1)
+
+
+# -- adapters: a PEFT LoRA, and a QLoRA (PEFT's adapters on a bitsandbytes NF4 base: tests/helpers/qlora.py) ------
+
+#: The Llama's ragged batches and step, on a Llama of 2 layers, hidden 64, with LoRA adapters (r=4) on every linear
+#: layer but the head: in fp32, and on its NF4 base. The QLoRA computes in fp32 (bitsandbytes' default): with
+#: QLoRA's bf16, a step recovered onto the chunked loss equals that plan's fault-free step bit for bit but is off the
+#: whole batch's by up to 3.6e-4 after AdamW's first step (bf16 products summed in another order, each gradient then
+#: divided by its own size), past the sweep's 1e-5 for a split (tests/test_qlora.py holds the bf16 QLoRA's rungs).
+ADAPTERS = {
+    "PEFT LoRA": dataclasses.replace(
+        LLAMA, name="PEFT LoRA (Llama, 2 layers, hidden 64, r=4)", make_model=lambda: helpers.qlora.lora()
+    ),
+    "QLoRA": dataclasses.replace(
+        LLAMA,
+        name="QLoRA (NF4 Llama, 2 layers, hidden 64, r=4, fp32 compute)",
+        make_model=lambda: helpers.qlora.loadable(helpers.qlora.qlora_copy(compute_dtype=torch.float32)),
+    ),
+}
+
+
+def check_adapters_sweep(name: str, sample: Sample, steps: int) -> None:
+    pytest.importorskip("peft")
+    if name == "QLoRA":
+        pytest.importorskip("bitsandbytes")
+    check_sweep(ADAPTERS[name], name, Plan(), sample, PHASES, steps=steps)
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_an_oom_at_sampled_allocations_of_an_adapters_step_loses_nothing(name: str) -> None:
+    """The last allocation of each phase of the first step (Adam building the adapters' state), recovered down the
+    default ladder: what the step left, the frozen base's 4-bit codes and quantization state included, as the
+    fault-free step leaves it, bit for bit."""
+    check_adapters_sweep(name, phase_ends, steps=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_an_oom_at_the_edges_of_every_phase_of_two_adapters_steps_loses_nothing(name: str) -> None:
+    check_adapters_sweep(name, phase_edges, steps=2)
 
 
 # -- host faults: a failed host allocation on an offload rung's plan (tests/helpers/hostsweep.py) -----------------
