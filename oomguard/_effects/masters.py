@@ -33,13 +33,9 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.hooks import RemovableHandle
 
 from oomguard._backends.memory import MemoryBackend
+from oomguard._effects import copies
 from oomguard._effects.ascent import Ascent
 from oomguard._effects.base import EffectTarget
-from oomguard._effects.copies import deep_copies as _deep_copies
-from oomguard._effects.copies import layout as _layout
-from oomguard._effects.copies import mended as _mended
-from oomguard._effects.copies import merged as _merged
-from oomguard._effects.copies import ours as _ours
 from oomguard._effects.descent import Descent
 from oomguard._effects.early import EarlyStep, SpoiledEarlyStep, recomputes_forward
 from oomguard._effects.fingerprint import Fingerprints
@@ -111,7 +107,7 @@ class MasterWeights:
         try:
             for param in params:
                 half = param.detach().to(_BF16, memory_format=torch.contiguous_format)  # (may run out)
-                weight = _Weight(param, backend.to_host(param.detach()), backend.to_host(half), _layout(half))
+                weight = _Weight(param, backend.to_host(param.detach()), backend.to_host(half), copies.layout(half))
                 if param.grad is not None:  # (accumulated so far: kept, as the sum on the host)
                     weight.grad, weight.summed = backend.to_host(param.grad), True
                 backend.synchronize()  # (the copies have read the fp32 weight: its memory is free for the next)
@@ -192,7 +188,7 @@ class MasterWeights:
         if self._versions is None:  # (no forward hook of ours ran)
             self._commit_writes()
         weights = list(self._weights.values())
-        if any(not _ours(w, w.param.data) for w in weights) or recomputes_forward(loss):
+        if any(not copies.ours(w, w.param.data) for w in weights) or recomputes_forward(loss):
             self.early.disarm()
             return False
         self.sync(only=[w for w, seen in zip(weights, self._versions or [], strict=True) if w.param._version != seen])
@@ -282,7 +278,7 @@ class MasterWeights:
         datas = [w.param.data for w in weights]
         if only is None:
             flags = self._prints.changed(
-                [d if _ours(w, d) else None for w, d in zip(weights, datas, strict=True)], backend
+                [d if copies.ours(w, d) else None for w, d in zip(weights, datas, strict=True)], backend
             )
         else:
             flags = [True] * len(weights)
@@ -298,7 +294,7 @@ class MasterWeights:
         """Each halved parameter's value: its master, merged with what was written on the device since (nothing
         is committed: a write undone before the next step leaves every fp32 bit of the master as it was)."""
         written = self._written()
-        return {w.param: _merged(w, written[w]) if w in written else w.master for w in self._weights.values()}
+        return {w.param: copies.merged(w, written[w]) if w in written else w.master for w in self._weights.values()}
 
     def sync(self, only: list[_Weight] | None = None) -> None:
         """Commit what was written on the device: the masters take the written elements, and a replaced device
@@ -306,14 +302,14 @@ class MasterWeights:
         by their version counters (no checksum; the next comparison finds them changed, and takes nothing more)."""
         written = self._written(only)
         for weight, values in written.items():
-            merged = _merged(weight, values)
+            merged = copies.merged(weight, values)
             if merged.shape == weight.master.shape:
                 weight.master.copy_(merged)
                 weight.image.copy_(merged)
             else:
                 weight.master, weight.image, weight.grad = merged, merged.to(_BF16), None
             data = weight.param.data
-            if not _ours(weight, data):
+            if not copies.ours(weight, data):
                 self._adopt(weight, data)
         if written and only is None and self._backend is not None:  # (on the device, the host far slower; may OOM)
             self._prints.record(self._devices(), self._backend)
@@ -324,7 +320,7 @@ class MasterWeights:
         assert self._backend is not None
         mine = data.dtype == _BF16 and data.is_contiguous() and self._backend.is_device(data)
         half = data if mine and data.shape == weight.master.shape else self._backend.to_device(weight.image)
-        weight.param.data, weight.layout = half, _layout(half)
+        weight.param.data, weight.layout = half, copies.layout(half)
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -395,9 +391,9 @@ class MasterWeights:
         """``copy.deepcopy(model)``: each halved parameter's copy is an fp32 parameter holding its value, on its
         device (see :func:`.copies.deep_copies`)."""
         places = {p: w.device.device if w.device is not None else p.device for p, w in self._weights.items()}
-        _deep_copies(memo, ("oomguard.masters", id(self)), self.truth, places)
+        copies.deep_copies(memo, ("oomguard.masters", id(self)), self.truth, places)
 
     def pickled(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         """``torch.save(model)``: the loaded copy's halved parameters become their fp32 values (the file holds the
         bf16 copies and the fp32 values: 6 bytes a parameter)."""
-        return _mended, (list(self.truth().items()),)
+        return copies.mended, (list(self.truth().items()),)
