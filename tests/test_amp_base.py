@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import io
 import re
 from collections.abc import Iterator
 from typing import Any
 
-import helpers.sweep
 import pytest
 import torch
 from helpers.batches import lm_batch
@@ -377,18 +375,7 @@ def check_held_base_sweep(sample: Sample) -> None:
     attention is frozen (its 4 q and o projections held in bf16, from the first step's apply on): the guard
     recovers down the default ladder and leaves what a fault-free run of the plan it ends on leaves, bit for bit,
     with no sample lost or doubled and the device memory back where it belongs (helpers.sweep.problems)."""
-
-    def run_step(*args: Any, **kwargs: Any) -> Any:
-        # Each run's guard is dropped in a reference cycle: collected now, outside every SimulatedGPU, it gives
-        # its model's weights back on the CPU. Left to the next run's recovery (its gc.collect()), it gave them
-        # back under that run's SimulatedGPU, which counted them (16 KiB "in use after the step").
-        outcome = original(*args, **kwargs)
-        gc.collect()
-        return outcome
-
-    original = helpers.sweep.run_step
-    with young_garbage_only(lambda: None), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(helpers.sweep, "run_step", run_step)
+    with young_garbage_only(lambda: None):
         result = sweep(BF16, sample, workload=FROZEN_LLAMA, steps=2)
     # Memory after a recovery is below the call's start by what holding saved (problems() expects it equal but
     # where a plan offloads or quantizes): 2 KiB for each of the projections held by then (32 x 32 values, 4 bytes

@@ -452,7 +452,14 @@ def run_step(
             arm(rig.gpu, rig.guard)
         result, figures = rig.call(batch)
         fired = not rig.gpu.fault_pending
-    return rig.outcome(result, figures, fired)
+    outcome = rig.outcome(result, figures, fired)
+    # The guard is dropped in a reference cycle: collected here, outside every SimulatedGPU, it undoes its effects
+    # on the CPU. Left to the next call's recovery (the guard's gc.collect()), a guard whose effects hold weights
+    # (quantized_weights, amp's frozen base) gave them back under that call's device, which counted them (+16 KiB
+    # "in use after the step" for a fault at the Llama's last forward allocation).
+    del rig
+    gc.collect()
+    return outcome
 
 
 def initial_state(workload: Workload = TINY) -> Snapshot:
