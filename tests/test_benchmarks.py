@@ -38,6 +38,7 @@ def _rows(markdown: str, heading: str) -> list[list[str]]:
     return [row for row in table if not set("".join(row)) <= {"-"}]
 
 
+@pytest.mark.slow  # (67 s of the default run on 2026-12-07: the benchmark's own smoke test)
 def test_quick_run_writes_a_complete_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = _load("run", monkeypatch)
     tables = _load("_tables", monkeypatch)

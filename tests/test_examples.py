@@ -86,6 +86,7 @@ def test_accelerate_example_under_torchrun_recovers_an_oom_on_rank_1(tmp_path: P
         torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # (41 s; the Trainer under DDP is test_trainer_ddp's in the default run)
 @pytest.mark.subprocess
 @RANKS
 def test_hf_trainer_example_under_torchrun_recovers_an_oom_on_rank_1(tmp_path: Path) -> None:

@@ -329,6 +329,7 @@ def test_a_search_over_batches_of_other_shapes_composes_no_plan_from_two_shapes_
     assert len({id(k) for _, k in given}) == 1, "the plans measured are the search's, whatever the shape"
 
 
+@pytest.mark.slow  # (53 s, and its search's calls end on a clock: a loaded machine changes how many)
 def test_tuning_whose_search_takes_several_calls_trials_the_same_plans_and_stays_exact(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
