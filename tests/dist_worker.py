@@ -81,6 +81,19 @@ def chunked_main(rank: int, world: int, out: Path) -> None:
     model.model.norm.register_forward_hook(loss_fault)
     guard = OOMGuard(lambda batch: ddp(**batch), model=ddp, optimizer=optimizer, log_file=out / "events.jsonl")
     guard.plan = Plan().with_level("chunked_loss", 1)
+    report = chunked_steps(guard, gpu, model, rank, world, step_index)
+    report["patched"] = "forward" in vars(model.lm_head)  # the rung held the inner model's head to the end
+    guard.close()
+    report["fault_fired"] = armed[0] and not gpu.fault_pending
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"weights{rank}.pt")
+    (out / f"report{rank}.json").write_text(json.dumps(report))
+
+
+def chunked_steps(
+    guard: OOMGuard, gpu: SimulatedGPU, model: torch.nn.Module, rank: int, world: int, step_index: list[int]
+) -> dict[str, Any]:
+    """Runs ``guard`` on this rank's share of each of :func:`chunked_batches`, the model adopted by ``gpu``; the
+    plan, OOMs and rungs of each step (``step_index[0]``: the step running, for the fault hooks)."""
     report: dict[str, Any] = {"steps": []}
     with gpu:
         gpu.adopt(model)
@@ -88,11 +101,7 @@ def chunked_main(rank: int, world: int, out: Path) -> None:
             step_index[0] = step
             result = guard(batch)
             report["steps"].append({"plan": result.plan.describe(), "ooms": result.ooms, "rungs": result.rungs})
-    report["patched"] = "forward" in vars(model.lm_head)  # the rung held the inner model's head to the end
-    guard.close()
-    report["fault_fired"] = armed[0] and not gpu.fault_pending
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"weights{rank}.pt")
-    (out / f"report{rank}.json").write_text(json.dumps(report))
+    return report
 
 
 def tiled_main(rank: int, world: int, out: Path) -> None:
@@ -111,13 +120,7 @@ def tiled_main(rank: int, world: int, out: Path) -> None:
 
     model.model.layers[0].mlp.register_forward_pre_hook(mlp_fault)
     guard = OOMGuard(lambda batch: ddp(**batch), model=ddp, optimizer=optimizer, ladder=["tiled_mlp"])
-    report: dict[str, Any] = {"steps": []}
-    with gpu:
-        gpu.adopt(model)
-        for step, batch in enumerate(chunked_batches(rank, world)):
-            step_index[0] = step
-            result = guard(batch)
-            report["steps"].append({"plan": result.plan.describe(), "ooms": result.ooms, "rungs": result.rungs})
+    report = chunked_steps(guard, gpu, model, rank, world, step_index)
     guard.close()
     report["fault_fired"] = armed[0] and not gpu.fault_pending
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"weights{rank}.pt")

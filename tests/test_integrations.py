@@ -117,12 +117,12 @@ def test_accelerates_own_gradient_accumulation_is_refused_naming_the_guards_own(
     from accelerate.state import GradientState
 
     try:
-        refused_at_construction_and_at_a_call(Accelerator(cpu=True, gradient_accumulation_steps=2))
+        assert_refused_at_construction_and_at_a_call(Accelerator(cpu=True, gradient_accumulation_steps=2))
     finally:  # (Accelerate keeps its accumulation in a state every Accelerator of the process shares)
         GradientState._reset_state()
 
 
-def refused_at_construction_and_at_a_call(accelerator: Any) -> None:
+def assert_refused_at_construction_and_at_a_call(accelerator: Any) -> None:
     model = make_mlp(width=64)
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     with pytest.raises(
