@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.steps import forward_backward_peak
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from oomguard import GuardConfigError
@@ -440,15 +441,6 @@ def test_it_runs_on_fake_tensors_as_the_planner_does() -> None:
         assert isinstance(model.model.embed_tokens.weight.grad, FakeTensor)
 
 
-def _forward_backward_peak(gpu: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
-    """The peak over what is resident of one forward and backward on ``gpu`` (simulated or the planner's)."""
-    gpu.adopt(model, batch.values())
-    base = gpu.memory_allocated()
-    gpu.reset_peak_memory_stats()
-    model(**batch).loss.backward()
-    return int(gpu.max_memory_allocated() - base)
-
-
 def test_the_planners_fake_run_sees_every_allocation_the_simulator_counts() -> None:
     from oomguard._backends.accounting import AccountedDevice
     from oomguard._planner.fakes import _faked
@@ -457,12 +449,12 @@ def test_the_planners_fake_run_sees_every_allocation_the_simulator_counts() -> N
     model = qwen2(vocab=8192, hidden=32)
     chunked(model, chunk_bytes=4 * 8192 * 16)  # 16 rows a chunk: 8 chunks
     with SimulatedGPU("8GiB") as gpu:
-        real = _forward_backward_peak(gpu, model, batch)
+        real = forward_backward_peak(gpu, model, batch)
     model = qwen2(vocab=8192, hidden=32)
     chunked(model, chunk_bytes=4 * 8192 * 16)
     faked = _faked(model, torch.optim.AdamW(model.parameters()), batch, cuda=False)
     with faked as (_, fake_batch), AccountedDevice(2**62, name="planner") as probe:  # the planner's accounting
-        fake = _forward_backward_peak(probe, model, fake_batch)
+        fake = forward_backward_peak(probe, model, fake_batch)
     assert fake == real  # the chunks' logits and softmax are ordinary ops: priced as they are allocated
 
 
@@ -486,7 +478,7 @@ def _fake_step_counts(elide: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int
     counted, dispatched = FlopCount(), FlopCount()  # (the second entered first: it sees what is dispatched)
     repeats = eliding(_repeating(counted)) if elide else contextlib.nullcontext()
     with faked as (_, batch), AccountedDevice(2**62, name="planner") as probe, dispatched, counted, repeats:
-        peak = _forward_backward_peak(probe, model, batch)
+        peak = forward_backward_peak(probe, model, batch)
     return peak, counted.total, counted.ops, dispatched.ops, len(chunks)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.steps import forward_backward_peak
 
 from oomguard import GuardConfigError, OOMGuard, Plan
 from oomguard._effects.base import EffectTarget
@@ -411,15 +412,6 @@ def _quiet_transformers() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-def _forward_backward_peak(gpu: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
-    """The peak over what is resident of one forward and backward on ``gpu`` (simulated or the planner's)."""
-    gpu.adopt(model, batch.values())
-    base = gpu.memory_allocated()
-    gpu.reset_peak_memory_stats()
-    model(**batch).loss.backward()
-    return int(gpu.max_memory_allocated() - base)
-
-
 def test_the_planners_fake_run_of_a_tiled_model_sees_the_peak_the_simulator_counts() -> None:
     """The planner prices each level by its dry run on fake tensors: the chunks are ordinary ops, counted as run."""
     from oomguard._backends.accounting import AccountedDevice
@@ -431,13 +423,13 @@ def test_the_planners_fake_run_of_a_tiled_model_sees_the_peak_the_simulator_coun
         model = llama(intermediate=512)
         undo = tile(find_blocks(model), shards) if shards else (lambda: None)
         with SimulatedGPU("8GiB") as gpu:
-            real = _forward_backward_peak(gpu, model, batch)
+            real = forward_backward_peak(gpu, model, batch)
         undo()
         model = llama(intermediate=512)
         undo = tile(find_blocks(model), shards) if shards else (lambda: None)
         faked = _faked(model, torch.optim.SGD(model.parameters()), batch, cuda=False)
         with faked as (_, fake_batch), AccountedDevice(2**62, name="planner") as probe:
-            fake = _forward_backward_peak(probe, model, fake_batch)
+            fake = forward_backward_peak(probe, model, fake_batch)
         undo()
         assert fake == real, shards
         peaks.append(real)

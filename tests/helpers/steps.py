@@ -60,3 +60,12 @@ def train_on(
 
 def model_step(model: torch.nn.Module) -> Any:
     return lambda batch: model(**batch)
+
+
+def forward_backward_peak(gpu: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """The peak over what is resident of one forward and backward on ``gpu`` (simulated or the planner's)."""
+    gpu.adopt(model, batch.values())
+    base = gpu.memory_allocated()
+    gpu.reset_peak_memory_stats()
+    model(**batch).loss.backward()
+    return int(gpu.max_memory_allocated() - base)
